@@ -1,0 +1,20 @@
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: train test bench clean
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+train: $(STAMP)
+	$(VENV)/bin/jaxgpt train --out runs/default
+
+test: $(STAMP)
+	$(PY) -m pytest -x -q -n 2
+
+clean:
+	rm -rf $(VENV) runs

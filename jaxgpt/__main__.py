@@ -1,0 +1,3 @@
+from jaxgpt.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,254 @@
+"""Run configuration: frozen dataclasses, TOML loading, `section.key=value` overrides.
+
+Config is data. Every key has one default, written here; a resolved config (all derived values
+filled in) is what runs, what is saved beside a run and what the sha256 fingerprint covers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A config value or key that cannot run; the message names the key and why."""
+
+
+def _choice(section: str, name: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{section}.{name} = {value!r} is not one of {', '.join(allowed)}")
+
+
+def _positive(section: str, obj: Any, *names: str, allow_zero: bool = False) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if value < 0 or (value == 0 and not allow_zero):
+            bound = ">= 0" if allow_zero else "> 0"
+            raise ConfigError(f"{section}.{name} = {value!r} must be {bound}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The decoder. Defaults are the Day 1 baseline (541,952 parameters)."""
+
+    vocab_size: int = 1024
+    context_length: int = 128
+    d_model: int = 128
+    n_layers: int = 2
+    n_heads: int = 4
+    kv_heads: int | None = None  # None: as many as n_heads (plain multi-head attention)
+    hidden_size: int | None = None  # None: 4 * d_model
+    position: str = "learned"
+    rope_base: float = 10000.0
+    rope_scale: float = 1.0
+    norm: str = "layernorm"
+    norm_eps: float = 1e-5
+    residual: str = "pre"
+    feed_forward: str = "gelu"
+    bias: bool = False
+    tie_embeddings: bool = True
+    dropout: float = 0.0
+    mtp_depth: int = 0
+    init_std: float = 0.02
+    dtype: str = "float32"
+    scan_layers: bool = True
+    remat: bool = False
+
+    def __post_init__(self) -> None:
+        s = "model"
+        if self.kv_heads is None:
+            object.__setattr__(self, "kv_heads", self.n_heads)
+        if self.hidden_size is None:
+            object.__setattr__(self, "hidden_size", 4 * self.d_model)
+        _positive(s, self, "vocab_size", "context_length", "d_model", "n_layers", "n_heads")
+        _positive(s, self, "kv_heads", "hidden_size", "rope_base", "rope_scale", "norm_eps")
+        _positive(s, self, "mtp_depth", "init_std", allow_zero=True)
+        _choice(s, "position", self.position, ("learned", "rope"))
+        _choice(s, "norm", self.norm, ("layernorm", "rmsnorm"))
+        _choice(s, "residual", self.residual, ("pre", "post"))
+        _choice(s, "feed_forward", self.feed_forward, ("gelu", "swiglu"))
+        _choice(s, "dtype", self.dtype, ("float32", "bfloat16"))
+        if self.d_model % self.n_heads:
+            raise ConfigError(
+                f"model.d_model = {self.d_model} is not divisible by model.n_heads = {self.n_heads}"
+            )
+        if self.n_heads % self.kv_heads:
+            raise ConfigError(
+                f"model.n_heads = {self.n_heads} is not divisible by model.kv_heads = {self.kv_heads}"
+            )
+        if self.position == "rope" and self.head_size % 2:
+            raise ConfigError(f"model.position = 'rope' needs an even head size, got {self.head_size}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"model.dropout = {self.dropout!r} must be in [0, 1)")
+
+    @property
+    def head_size(self) -> int:
+        return self.d_model // self.n_heads
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    source: str = "stdlib"  # "stdlib" | a file, directory or glob | "hf:NAME[:SPLIT]"
+    tokenizer: str = "bpe"  # "bpe" | "char" | a path to a tokenizer.json
+    val_fraction: float = 0.1
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.val_fraction < 1.0:
+            raise ConfigError(f"data.val_fraction = {self.val_fraction!r} must be in (0, 1)")
+        if not self.source:
+            raise ConfigError("data.source is empty")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 1500
+    batch_size: int = 32  # global, summed over devices and micro-batches
+    grad_accum: int = 1
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.99
+    adam_eps: float = 1e-8
+    clip_norm: float = 1.0  # 0 disables clipping
+    seed: int = 0
+    log_every: int = 10
+    eval_every: int = 250
+    eval_batches: int = 20
+    sample_tokens: int = 200  # generated at each eval; 0 disables the samples
+    checkpoint_every: int = 500
+    keep_checkpoints: int = 3
+    parallel: str = "auto"
+    fsdp: int = 1
+
+    def __post_init__(self) -> None:
+        s = "train"
+        _positive(s, self, "steps", "batch_size", "grad_accum", "lr", "log_every", "eval_every")
+        _positive(s, self, "eval_batches", "checkpoint_every", "keep_checkpoints", "fsdp", "adam_eps")
+        _positive(s, self, "min_lr", "warmup_steps", "weight_decay", "clip_norm", "sample_tokens",
+                  "seed", allow_zero=True)
+        _choice(s, "parallel", self.parallel, ("auto", "single", "sharded", "pmap"))
+        if self.min_lr > self.lr:
+            raise ConfigError(f"train.min_lr = {self.min_lr} exceeds train.lr = {self.lr}")
+        for name in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ConfigError(f"train.{name} = {getattr(self, name)!r} must be in [0, 1)")
+        if self.batch_size % self.grad_accum:
+            raise ConfigError(
+                f"train.batch_size = {self.batch_size} is not divisible by "
+                f"train.grad_accum = {self.grad_accum}"
+            )
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+    def fingerprint(self, exclude: tuple[str, ...] = ()) -> str:
+        """sha256 of the resolved config; `exclude` drops `section.key` entries (run-length keys)."""
+        data = self.to_dict()
+        for dotted in exclude:
+            section, key = dotted.split(".", 1)
+            data[section].pop(key, None)
+        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+    def to_toml(self) -> str:
+        lines: list[str] = []
+        for section, values in self.to_dict().items():
+            lines.append(f"[{section}]")
+            lines.extend(f"{key} = {_toml_value(value)}" for key, value in values.items())
+            lines.append("")
+        return "\n".join(lines)
+
+
+SECTIONS: dict[str, type] = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig}
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    return json.dumps(value)  # a JSON string is a valid TOML basic string
+
+
+def _nearest(name: str, candidates: list[str]) -> str:
+    match = difflib.get_close_matches(name, candidates, n=1, cutoff=0.5)
+    return f" (did you mean {match[0]!r}?)" if match else ""
+
+
+def _coerce(section: str, name: str, value: Any, annotation: str) -> Any:
+    """Check a TOML value against the field's annotation; ints are accepted for floats."""
+    wanted = {"int": int, "float": float, "str": str, "bool": bool}
+    base = annotation.replace(" | None", "")
+    kind = wanted[base]
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, bool) != (kind is bool) or not isinstance(value, kind):
+        raise ConfigError(f"{section}.{name} = {value!r} must be a {base}")
+    return value
+
+
+def _parse_override(item: str) -> tuple[str, str, Any]:
+    if "=" not in item or "." not in item.split("=", 1)[0]:
+        raise ConfigError(f"override {item!r} must look like section.key=value")
+    dotted, raw = item.split("=", 1)
+    section, key = dotted.strip().split(".", 1)
+    try:
+        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()  # a bare word such as rope or hf:tiny is taken as a string
+    return section, key, value
+
+
+def build_config(raw: dict[str, Any]) -> RunConfig:
+    """Validate a nested {section: {key: value}} mapping into a RunConfig."""
+    sections: dict[str, Any] = {}
+    for section, values in raw.items():
+        if section not in SECTIONS:
+            raise ConfigError(f"unknown config section {section!r}{_nearest(section, list(SECTIONS))}")
+        if not isinstance(values, dict):
+            raise ConfigError(f"config section [{section}] must be a table")
+        known = {f.name: f for f in fields(SECTIONS[section])}
+        kwargs = {}
+        for key, value in values.items():
+            if key not in known:
+                raise ConfigError(
+                    f"unknown config key {section}.{key}{_nearest(key, list(known))}"
+                )
+            if value is None:
+                continue
+            kwargs[key] = _coerce(section, key, value, str(known[key].type))
+        sections[section] = SECTIONS[section](**kwargs)
+    return RunConfig(**sections)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Load a TOML config (or the defaults when `path` is None) and apply `section.key=value` overrides."""
+    raw: dict[str, dict[str, Any]] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            raw = tomllib.loads(path.read_text(encoding="utf-8"))
+        except tomllib.TOMLDecodeError as err:
+            raise ConfigError(f"{path}: invalid TOML: {err}") from None
+    for item in overrides:
+        section, key, value = _parse_override(item)
+        if section not in SECTIONS:
+            raise ConfigError(f"unknown config section {section!r}{_nearest(section, list(SECTIONS))}")
+        raw.setdefault(section, {})[key] = value
+    return build_config(raw)

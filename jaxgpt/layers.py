@@ -1,0 +1,190 @@
+"""The decoder's building blocks: norms, RoPE, causal attention with grouped KV heads, feed-forward.
+
+Shapes follow the legend in `jaxgpt.model`. Parameters are float32; `dtype` is the compute dtype.
+Statistics (norms, softmax) are taken in float32 whatever the compute dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jaxgpt.config import ModelConfig
+
+Rope = tuple[jax.Array, jax.Array]  # (cos, sin), each [B, T, D/2] float32
+KV = tuple[jax.Array, jax.Array]  # one layer's cached keys and values, each [B, S, K, D]
+
+
+def compute_dtype(cfg: ModelConfig) -> Any:
+    return jnp.bfloat16 if cfg.dtype == "bfloat16" else jnp.float32
+
+
+def dense_init(cfg: ModelConfig) -> nn.initializers.Initializer:
+    return nn.initializers.normal(stddev=cfg.init_std)
+
+
+class LayerNorm(nn.Module):
+    """GPT-2's LayerNorm: biased variance over the features of one vector, learned gain and bias."""
+
+    eps: float
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        features = x.shape[-1]
+        scale = self.param("scale", nn.initializers.ones, (features,), jnp.float32)
+        bias = self.param("bias", nn.initializers.zeros, (features,), jnp.float32)
+        x32 = x.astype(jnp.float32)
+        mean = x32.mean(-1, keepdims=True)
+        var = jnp.square(x32 - mean).mean(-1, keepdims=True)
+        y = (x32 - mean) * jax.lax.rsqrt(var + self.eps)
+        return (y * scale + bias).astype(self.dtype)
+
+
+class RMSNorm(nn.Module):
+    """LayerNorm without the mean: divide by the root mean square, learned gain, no bias."""
+
+    eps: float
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), jnp.float32)
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.square(x32).mean(-1, keepdims=True) + self.eps)
+        return (y * scale).astype(self.dtype)
+
+
+def make_norm(cfg: ModelConfig, name: str | None = None) -> nn.Module:
+    norm = LayerNorm if cfg.norm == "layernorm" else RMSNorm
+    return norm(eps=cfg.norm_eps, dtype=compute_dtype(cfg), name=name)
+
+
+def rope_tables(positions_BT: jax.Array, head_size: int, scale: float, base: float) -> Rope:
+    """cos and sin for each position; `scale` > 1 interpolates positions (divides them by scale)."""
+    inv_freq = 1.0 / (base ** (jnp.arange(0, head_size, 2, dtype=jnp.float32) / head_size))
+    angles = (positions_BT.astype(jnp.float32) / scale)[..., None] * inv_freq
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x_BTHD: jax.Array, rope: Rope) -> jax.Array:
+    """Rotate the two halves of each head (Hugging Face Llama's `rotate_half` layout)."""
+    cos, sin = (t[:, :, None, :] for t in rope)  # broadcast over heads
+    x = x_BTHD.astype(jnp.float32)
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return rotated.astype(x_BTHD.dtype)
+
+
+def causal_mask(q_pos_BT: jax.Array, k_pos_BS: jax.Array) -> jax.Array:
+    """[B, 1, T, S] boolean: a query may read keys at its own position and before."""
+    return (k_pos_BS[:, None, None, :] <= q_pos_BT[:, None, :, None])
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal attention with grouped KV heads and an optional KV cache.
+
+    The query heads of one group are consecutive (head h reads KV head h // (H // K)), as Hugging
+    Face's Llama lays them out, so imported weights need no permutation.
+    """
+
+    cfg: ModelConfig
+    deterministic: bool = True
+
+    @nn.compact
+    def __call__(
+        self, x_BTC: jax.Array, rope: Rope | None, kv: KV | None = None, index: jax.Array | None = None
+    ) -> tuple[jax.Array, KV | None]:
+        """With `kv`, the T new keys and values are written at each sequence's `index` [B]."""
+        cfg = self.cfg
+        B, T, _ = x_BTC.shape
+        H, K, D = cfg.n_heads, cfg.kv_heads, cfg.head_size
+        dtype = compute_dtype(cfg)
+        qkv = nn.Dense((H + 2 * K) * D, use_bias=cfg.bias, dtype=dtype,
+                       kernel_init=dense_init(cfg), name="qkv")(x_BTC)
+        q_BTHD = qkv[..., : H * D].reshape(B, T, H, D)
+        k_BTKD = qkv[..., H * D : (H + K) * D].reshape(B, T, K, D)
+        v_BTKD = qkv[..., (H + K) * D :].reshape(B, T, K, D)
+        if rope is not None:
+            q_BTHD, k_BTKD = apply_rope(q_BTHD, rope), apply_rope(k_BTKD, rope)
+
+        if kv is None:
+            out_BTHD = jax.nn.dot_product_attention(q_BTHD, k_BTKD, v_BTKD, is_causal=True)
+        else:
+            kv = write_kv(kv, k_BTKD, v_BTKD, index)
+            S = kv[0].shape[1]
+            q_pos = index[:, None] + jnp.arange(T)
+            mask = causal_mask(q_pos, jnp.broadcast_to(jnp.arange(S), (B, S)))
+            k_BSKD, v_BSKD = (t.astype(dtype) for t in kv)
+            out_BTHD = jax.nn.dot_product_attention(q_BTHD, k_BSKD, v_BSKD, mask=mask)
+        out = nn.Dense(cfg.d_model, use_bias=cfg.bias, dtype=dtype,
+                       kernel_init=dense_init(cfg), name="out")(out_BTHD.reshape(B, T, H * D))
+        return nn.Dropout(cfg.dropout)(out, deterministic=self.deterministic), kv
+
+
+def write_kv(kv: KV, k_BTKD: jax.Array, v_BTKD: jax.Array, index_B: jax.Array) -> KV:
+    """Write T new keys and values into the cache at each sequence's own index."""
+
+    def write(buffer_SKD, new_TKD, start):
+        return jax.lax.dynamic_update_slice(buffer_SKD, new_TKD.astype(buffer_SKD.dtype), (start, 0, 0))
+
+    return jax.vmap(write)(kv[0], k_BTKD, index_B), jax.vmap(write)(kv[1], v_BTKD, index_B)
+
+
+class FeedForward(nn.Module):
+    """Widen to hidden_size, GELU (tanh, as GPT-2) or SwiGLU, project back."""
+
+    cfg: ModelConfig
+    deterministic: bool = True
+
+    @nn.compact
+    def __call__(self, x_BTC: jax.Array) -> jax.Array:
+        cfg = self.cfg
+        dtype = compute_dtype(cfg)
+
+        def dense(features: int, name: str) -> nn.Dense:
+            return nn.Dense(features, use_bias=cfg.bias, dtype=dtype,
+                            kernel_init=dense_init(cfg), name=name)
+
+        up_BTF = dense(cfg.hidden_size, "up")(x_BTC)
+        if cfg.feed_forward == "swiglu":
+            h_BTF = nn.silu(dense(cfg.hidden_size, "gate")(x_BTC)) * up_BTF
+        else:
+            h_BTF = nn.gelu(up_BTF, approximate=True)
+        out = dense(cfg.d_model, "down")(h_BTF)
+        return nn.Dropout(cfg.dropout)(out, deterministic=self.deterministic)
+
+
+class TransformerBlock(nn.Module):
+    """One decoder block, pre- or post-norm exactly as the seed's `TransformerBlock.forward`."""
+
+    cfg: ModelConfig
+    deterministic: bool = True
+
+    @nn.compact
+    def __call__(
+        self, x_BTC: jax.Array, rope: Rope | None, kv: KV | None = None, index: jax.Array | None = None
+    ) -> tuple[jax.Array, KV | None]:
+        cfg = self.cfg
+        chex.assert_rank(x_BTC, 3)
+        chex.assert_axis_dimension(x_BTC, 2, cfg.d_model)
+        attention = CausalSelfAttention(cfg, self.deterministic, name="attention")
+        feed_forward = FeedForward(cfg, self.deterministic, name="feed_forward")
+        attention_norm = make_norm(cfg, "attention_norm")
+        feed_forward_norm = make_norm(cfg, "feed_forward_norm")
+        if cfg.residual == "pre":
+            attended, kv = attention(attention_norm(x_BTC), rope, kv, index)
+            y = x_BTC + attended
+            y = y + feed_forward(feed_forward_norm(y))
+        else:
+            attended, kv = attention(x_BTC, rope, kv, index)
+            y = attention_norm(x_BTC + attended)
+            y = feed_forward_norm(y + feed_forward(y))
+        y = y.astype(x_BTC.dtype)
+        chex.assert_equal_shape([x_BTC, y])
+        chex.assert_trees_all_equal_dtypes(x_BTC, y)
+        return y, kv

@@ -1,0 +1,206 @@
+"""Run metrics: JSONL and TensorBoard writers, loss plots, tokens/s, FLOPs per token and MFU.
+
+A record is a JSON object with a `type` (train, eval, sample, summary) and a `step`.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import math
+import os
+import tempfile
+import time
+from numbers import Real
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Callable
+
+from tensorboardX import SummaryWriter
+
+from jaxgpt.config import ModelConfig
+
+RECORD_TYPES = ("train", "eval", "sample", "summary")
+
+
+def _plain(value: Any) -> Any:
+    """numpy / JAX scalars as Python numbers, so json and TensorBoard take them."""
+    if getattr(value, "shape", None) == () and hasattr(value, "item"):
+        return value.item()
+    return value
+
+
+def _validate(record: dict[str, Any]) -> None:
+    if not isinstance(record, dict):
+        raise TypeError(f"a metrics record must be a dict, got {type(record).__name__}")
+    for key in ("type", "step"):
+        if key not in record:
+            raise ValueError(f"metrics record has no {key!r}: {record!r}")
+    if record["type"] not in RECORD_TYPES:
+        raise ValueError(f"metrics record type {record['type']!r} is not one of {', '.join(RECORD_TYPES)}")
+    if isinstance(record["step"], bool) or not isinstance(record["step"], int):
+        raise ValueError(f"metrics record step must be an int, got {record['step']!r}")
+
+
+def _drop_partial_last_line(path: Path) -> None:
+    """Cut a record half-written by a crash, so appending after a resume starts a clean line."""
+    if not path.exists() or path.stat().st_size == 0:
+        return
+    with path.open("rb+") as f:
+        data = f.read()
+        if not data.endswith(b"\n"):
+            f.truncate(data.rfind(b"\n") + 1)
+
+
+class MetricsWriter:
+    """Appends records to run_dir/metrics.jsonl and their numbers to run_dir/tensorboard.
+
+    Every JSONL line is flushed as it is written, so a crash loses no finished record.
+    `enabled=False` (every process but 0 in a multi-host run) validates records and writes nothing.
+    """
+
+    def __init__(self, run_dir: Path, enabled: bool = True) -> None:
+        self.run_dir = Path(run_dir)
+        self.enabled = enabled
+        self._jsonl = None
+        self._tensorboard: SummaryWriter | None = None
+        if enabled:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            path = self.run_dir / "metrics.jsonl"
+            _drop_partial_last_line(path)
+            self._jsonl = path.open("a", encoding="utf-8")
+            self._tensorboard = SummaryWriter(str(self.run_dir / "tensorboard"), flush_secs=10)
+
+    def write(self, record: dict[str, Any]) -> None:
+        record = {key: _plain(value) for key, value in record.items()}
+        _validate(record)
+        if not self.enabled:
+            return
+        if self._jsonl is None or self._tensorboard is None:
+            raise RuntimeError(f"MetricsWriter for {self.run_dir} is closed")
+        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.flush()
+        for key, value in record.items():
+            if key != "step" and isinstance(value, Real) and not isinstance(value, bool):
+                self._tensorboard.add_scalar(f"{record['type']}/{key}", value, record["step"])
+
+    def close(self) -> None:
+        if self._jsonl is not None:
+            self._jsonl.close()
+            self._jsonl = None
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+            self._tensorboard = None
+
+    def __enter__(self) -> MetricsWriter:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+
+def read_metrics(path: Path | str) -> list[dict[str, Any]]:
+    """All records of a metrics.jsonl; a truncated last line (a crash mid-write) is skipped."""
+    lines = Path(path).read_text(encoding="utf-8").splitlines()
+    records = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            if number == len(lines):
+                break
+            raise ValueError(f"{path}:{number}: not a JSON record: {err}") from None
+    return records
+
+
+def plot_losses(metrics_path: Path, out_png: Path) -> None:
+    """Train loss and val loss against step, written atomically to out_png."""
+    # Figure without pyplot renders with Agg and touches no global backend or display.
+    from matplotlib.figure import Figure
+
+    metrics_path, out_png = Path(metrics_path), Path(out_png)
+    records = read_metrics(metrics_path)
+    fig = Figure(figsize=(7, 4.5), dpi=100)
+    ax = fig.subplots()
+    for kind, key, label in (("train", "loss", "train loss"), ("eval", "val_loss", "val loss")):
+        points = [(r["step"], r[key]) for r in records if r["type"] == kind and key in r]
+        if points:
+            steps, values = zip(*points)
+            ax.plot(steps, values, label=label, marker="o" if kind == "eval" else None)
+    ax.set_title(f"loss: {metrics_path.parent.name}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy loss (nats)")
+    ax.grid(alpha=0.3)
+    if ax.lines:
+        ax.legend()
+    out_png.parent.mkdir(parents=True, exist_ok=True)
+    # A reader (a notebook refreshing the image) never sees a half-written PNG.
+    fd, tmp = tempfile.mkstemp(dir=out_png.parent, prefix=f".{out_png.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            fig.savefig(f, format="png")
+        os.replace(tmp, out_png)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def matmul_parameters(model: ModelConfig) -> int:
+    """Parameters that take part in matmuls: attention, feed-forward, LM head (MTP adapters not counted)."""
+    C, H, K, D, F = model.d_model, model.n_heads, model.kv_heads, model.head_size, model.hidden_size
+    attention = C * (H + 2 * K) * D + H * D * C  # qkv (grouped kv heads) + output projection
+    feed_forward = (3 if model.feed_forward == "swiglu" else 2) * C * F
+    # The head is a V x C matmul whether or not its weights are tied to the embedding.
+    return model.n_layers * (attention + feed_forward) + model.vocab_size * C
+
+
+def flops_per_token(model: ModelConfig, seq_len: int | None = None) -> float:
+    """Training FLOPs per token (PaLM appendix B / nanoGPT): 6 N + 12 L C T."""
+    T = model.context_length if seq_len is None else seq_len
+    return 6.0 * matmul_parameters(model) + 12.0 * model.n_layers * model.d_model * T
+
+
+def mfu(tokens_per_s: float, flops_per_token: float, peak_flops: float) -> float:
+    """Model FLOPs utilisation: achieved training FLOP/s as a fraction of the hardware peak."""
+    if peak_flops <= 0:
+        raise ValueError(f"peak_flops must be > 0, got {peak_flops}")
+    return tokens_per_s * flops_per_token / peak_flops
+
+
+class Throughput:
+    """Tokens/s over the last `window` steps.
+
+    Call `update(tokens)` once per step after the step's result is on the host (JAX dispatches
+    asynchronously, so timing an undelivered step measures nothing). Call `reset()` after an eval
+    or checkpoint pause so that pause is not counted as training time.
+    """
+
+    def __init__(self, window: int = 20, clock: Callable[[], float] = time.perf_counter) -> None:
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        self._clock = clock
+        # (time, tokens finished by then); window + 1 marks bound window intervals.
+        self._marks: collections.deque[tuple[float, int]] = collections.deque(maxlen=window + 1)
+        self._total = 0
+        self.reset()
+
+    def reset(self) -> None:
+        self._marks.clear()
+        self._marks.append((self._clock(), self._total))
+
+    def update(self, tokens: int) -> float | None:
+        self._total += tokens
+        self._marks.append((self._clock(), self._total))
+        return self.tokens_per_s
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        """None until a step has been timed (or when no time has passed)."""
+        (t0, n0), (t1, n1) = self._marks[0], self._marks[-1]
+        if len(self._marks) < 2 or not t1 > t0:
+            return None
+        rate = (n1 - n0) / (t1 - t0)
+        return rate if math.isfinite(rate) else None

@@ -1,0 +1,230 @@
+"""The GPT-style decoder and its pure functional interface.
+
+Shape legend (used in names such as `q_BTHD` and in einsum strings):
+    B batch, T time (sequence), S cached sequence, C model width (d_model), H query heads,
+    K kv heads, D head size, F feed-forward hidden size, V vocabulary, L layers.
+
+    params = init_params(cfg, jax.random.key(0))
+    logits_BTV = forward(params, cfg, token_ids_BT)
+    stacked = forward(params, cfg, token_ids_BT, all_depths=True)   # [1 + mtp_depth, B, T, V]
+    cache = init_cache(cfg, batch_size, max_length)
+    logits_BTV, cache = forward_cached(params, cfg, token_ids_BT, cache)
+
+`cfg` is a frozen dataclass, so it can be a static argument of `jax.jit`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxgpt.config import ModelConfig
+from jaxgpt.layers import (FeedForward, TransformerBlock, compute_dtype, dense_init, make_norm,
+                           rope_tables)
+
+Params = dict[str, Any]
+Cache = dict[str, jax.Array]  # {"k": [L, B, S, K, D], "v": [L, B, S, K, D], "index": [B]}
+
+
+class MTPAdapter(nn.Module):
+    """Maps the final hidden state to one for the token `depth` steps further ahead.
+
+    A pre-norm residual feed-forward layer, read out through the shared head.
+    """
+
+    cfg: ModelConfig
+    deterministic: bool = True
+
+    @nn.compact
+    def __call__(self, h_BTC: jax.Array) -> jax.Array:
+        return h_BTC + FeedForward(self.cfg, self.deterministic, name="feed_forward")(
+            make_norm(self.cfg, "norm")(h_BTC)
+        )
+
+
+class Decoder(nn.Module):
+    cfg: ModelConfig
+    deterministic: bool = True
+
+    @nn.compact
+    def __call__(
+        self, token_ids_BT: jax.Array, cache: Cache | None = None, all_depths: bool = False
+    ) -> tuple[jax.Array, Cache | None]:
+        cfg = self.cfg
+        B, T = token_ids_BT.shape
+        dtype = compute_dtype(cfg)
+        if cache is None:
+            positions_BT = jnp.broadcast_to(jnp.arange(T), (B, T))
+        else:
+            positions_BT = cache["index"][:, None] + jnp.arange(T)
+
+        token_embedding = nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=dense_init(cfg),
+                                   name="token_embedding")
+        x_BTC = token_embedding(token_ids_BT)
+        rope = None
+        if cfg.position == "learned":
+            x_BTC = x_BTC + nn.Embed(cfg.context_length, cfg.d_model,
+                                     embedding_init=dense_init(cfg),
+                                     name="position_embedding")(positions_BT)
+        else:
+            rope = rope_tables(positions_BT, cfg.head_size, cfg.rope_scale, cfg.rope_base)
+        x_BTC = nn.Dropout(cfg.dropout)(x_BTC, deterministic=self.deterministic).astype(dtype)
+
+        kv = None if cache is None else (cache["k"], cache["v"])
+        index = None if cache is None else cache["index"]
+        x_BTC, kv = self._blocks(x_BTC, rope, kv, index)
+
+        hidden_BTC = make_norm(cfg, "final_norm")(x_BTC)
+        if cfg.tie_embeddings:
+            head_VC = token_embedding.embedding
+            head = lambda h: jnp.einsum("btc,vc->btv", h.astype(dtype), head_VC.astype(dtype),
+                                        preferred_element_type=jnp.float32)
+        else:
+            head_CV = self.param("lm_head", dense_init(cfg), (cfg.d_model, cfg.vocab_size), jnp.float32)
+            head = lambda h: jnp.einsum("btc,cv->btv", h.astype(dtype), head_CV.astype(dtype),
+                                        preferred_element_type=jnp.float32)
+        logits_BTV = head(hidden_BTC)
+        if all_depths:
+            adapters = [MTPAdapter(cfg, self.deterministic, name=f"mtp_{d}") for d in range(cfg.mtp_depth)]
+            logits_BTV = jnp.stack([logits_BTV, *(head(a(hidden_BTC)) for a in adapters)])
+        elif self.is_initializing():
+            for d in range(cfg.mtp_depth):  # create the adapters' params even when not asked
+                MTPAdapter(cfg, self.deterministic, name=f"mtp_{d}")(hidden_BTC)
+
+        new_cache = None
+        if cache is not None:
+            new_cache = {"k": kv[0], "v": kv[1], "index": cache["index"] + T}
+        return logits_BTV, new_cache
+
+    def _blocks(self, x_BTC, rope, kv, index):
+        cfg = self.cfg
+        block_cls = nn.remat(TransformerBlock, prevent_cse=not cfg.scan_layers) if cfg.remat else TransformerBlock
+        if cfg.scan_layers:
+            stack = nn.scan(
+                block_cls,
+                variable_axes={"params": 0},
+                split_rngs={"params": True, "dropout": True},
+                in_axes=(nn.broadcast, 0, nn.broadcast),
+                length=cfg.n_layers,
+            )(cfg, self.deterministic, name="blocks")
+            return stack(x_BTC, rope, kv, index)
+        new_k, new_v = [], []
+        for i in range(cfg.n_layers):
+            layer_kv = None if kv is None else (kv[0][i], kv[1][i])
+            x_BTC, layer_kv = block_cls(cfg, self.deterministic, name=f"block_{i}")(x_BTC, rope, layer_kv, index)
+            if layer_kv is not None:
+                new_k.append(layer_kv[0])
+                new_v.append(layer_kv[1])
+        return x_BTC, (None if kv is None else (jnp.stack(new_k), jnp.stack(new_v)))
+
+
+def _is_concrete(x: Any) -> bool:
+    return not isinstance(x, jax.core.Tracer)
+
+
+def check_token_ids(cfg: ModelConfig, token_ids: Any) -> jax.Array:
+    """Reject what the device would silently clamp or mis-shape; values only when concrete."""
+    if getattr(token_ids, "ndim", None) != 2:
+        raise ValueError("token IDs must have shape [batch, sequence]")
+    if not jnp.issubdtype(token_ids.dtype, jnp.integer):
+        raise ValueError(f"token IDs must be integers, got dtype {token_ids.dtype}")
+    if _is_concrete(token_ids) and token_ids.size:
+        values = np.asarray(token_ids)
+        low, high = int(values.min()), int(values.max())
+        if low < 0 or high >= cfg.vocab_size:
+            raise ValueError(
+                f"token IDs must lie in [0, {cfg.vocab_size}) (model.vocab_size); got [{low}, {high}]"
+            )
+    chex.assert_rank(token_ids, 2)
+    return jnp.asarray(token_ids, jnp.int32)
+
+
+def init_params(cfg: ModelConfig, rng: jax.Array) -> Params:
+    """Fresh parameters, a pure function of (cfg, rng): float32, N(0, init_std) weights, zero biases."""
+    tokens = jnp.zeros((1, min(cfg.context_length, 8)), jnp.int32)
+    return Decoder(cfg).init({"params": rng}, tokens)["params"]
+
+
+def forward(
+    params: Params,
+    cfg: ModelConfig,
+    token_ids: jax.Array,
+    *,
+    all_depths: bool = False,
+    train: bool = False,
+    rng: jax.Array | None = None,
+) -> jax.Array:
+    """Logits [B, T, V] in float32, or [1 + mtp_depth, B, T, V] with `all_depths`."""
+    token_ids = check_token_ids(cfg, token_ids)
+    if cfg.position == "learned" and token_ids.shape[1] > cfg.context_length:
+        raise ValueError(
+            f"sequence exceeds context_length: {token_ids.shape[1]} > {cfg.context_length}"
+        )
+    dropout_active = train and cfg.dropout > 0
+    if dropout_active and rng is None:
+        raise ValueError("forward(train=True) with model.dropout > 0 needs an `rng` for dropout")
+    rngs = {"dropout": rng} if dropout_active else {}
+    logits, _ = Decoder(cfg, deterministic=not dropout_active).apply(
+        {"params": params}, token_ids, all_depths=all_depths, rngs=rngs
+    )
+    return logits
+
+
+def init_cache(cfg: ModelConfig, batch_size: int, max_length: int) -> Cache:
+    """An empty KV cache for `batch_size` sequences of up to `max_length` tokens each."""
+    if batch_size < 1 or max_length < 1:
+        raise ValueError(f"cache needs batch_size >= 1 and max_length >= 1, got {batch_size}, {max_length}")
+    if cfg.position == "learned" and max_length > cfg.context_length:
+        raise ValueError(
+            f"cache max_length {max_length} exceeds context_length {cfg.context_length} "
+            "(learned positions stop there)"
+        )
+    shape = (cfg.n_layers, batch_size, max_length, cfg.kv_heads, cfg.head_size)
+    dtype = compute_dtype(cfg)
+    return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype),
+            "index": jnp.zeros((batch_size,), jnp.int32)}
+
+
+def forward_cached(
+    params: Params, cfg: ModelConfig, token_ids: jax.Array, cache: Cache
+) -> tuple[jax.Array, Cache]:
+    """Run T new tokens per sequence against the cache (a prefill, or T = 1 for one step).
+
+    Returns their logits [B, T, V] and the cache with the new keys and values written.
+    """
+    token_ids = check_token_ids(cfg, token_ids)
+    B, T = token_ids.shape
+    L, cache_B, S = cache["k"].shape[:3]
+    if cache_B != B:
+        raise ValueError(f"token IDs have batch {B} but the cache was made for batch {cache_B}")
+    if _is_concrete(cache["index"]):
+        end = int(np.asarray(cache["index"]).max()) + T
+        if end > S:
+            raise ValueError(f"KV cache overflow: {end} positions needed, the cache holds {S}")
+    logits, cache = Decoder(cfg).apply({"params": params}, token_ids, cache=cache)
+    return logits, cache
+
+
+def count_params(params: Params) -> int:
+    return sum(int(np.prod(leaf.shape)) for leaf in jax.tree_util.tree_leaves(params))
+
+
+def unstack_blocks(params: Params, cfg: ModelConfig) -> Params:
+    """Scanned layout (`blocks`, leading layer axis) to the unrolled one (`block_0`, ...)."""
+    out = {k: v for k, v in params.items() if k != "blocks"}
+    for i in range(cfg.n_layers):
+        out[f"block_{i}"] = jax.tree_util.tree_map(lambda leaf: leaf[i], params["blocks"])
+    return out
+
+
+def stack_blocks(params: Params, cfg: ModelConfig) -> Params:
+    """Unrolled layout (`block_0`, ...) to the scanned one (`blocks`, leading layer axis)."""
+    out = {k: v for k, v in params.items() if not k.startswith("block_")}
+    layers = [params[f"block_{i}"] for i in range(cfg.n_layers)]
+    out["blocks"] = jax.tree_util.tree_map(lambda *leaves: jnp.stack(leaves), *layers)
+    return out

@@ -1,0 +1,207 @@
+"""Tokenizers: byte-level BPE and character-level, both stored as a Hugging Face tokenizer.json.
+
+Every kind is a `tokenizers.Tokenizer` underneath, so save/load, fingerprints and batch encoding
+work the same whichever one a run uses.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import tempfile
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import numpy as np
+from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer as HFTokenizer
+
+BPE, CHAR, FILE = "bpe", "char", "file"
+BYTE_ALPHABET = 256
+_CHAR_PATTERN = r"[\s\S]"  # one pre-token per code point; `.` would skip newlines
+# Never a key of a char vocab, so WordLevel fails on unseen characters instead of mapping them to unk.
+_NO_UNK = "\uffff<unknown>"
+# Long texts are cut into pieces so the library's batch encoder can spread them over cores.
+_PIECE_CHARS = 1 << 16
+# The GPT-2 pre-tokenizer regex makes a lone newline between a visible ASCII character and a letter
+# a pre-token of its own, so BPE gives the same ids whether or not the text is cut after it. (After
+# a longer whitespace run it would not: the run splits differently before a letter than at the end.)
+_BPE_CUT = re.compile(r"(?<=[!-~])\n(?=[A-Za-z])")
+
+
+class Tokenizer:
+    """A Hugging Face tokenizer with numpy ids, a content fingerprint and the kind it was built as."""
+
+    def __init__(self, hf: HFTokenizer, kind: str) -> None:
+        self._hf = hf
+        self.kind = kind
+        config = json.loads(hf.to_str())
+        canonical = json.dumps(config, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+        self.fingerprint = hashlib.sha256(canonical.encode()).hexdigest()
+        self._cut_rule = _cut_rule(config)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._hf.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> np.ndarray:
+        return self.encode_many([text])[0]
+
+    def encode_many(self, texts: Iterable[str]) -> list[np.ndarray]:
+        """Encode each text to int32 ids, in parallel through the library's batch encoder."""
+        texts = list(texts)
+        pieces_per_text = [self._pieces(text) for text in texts]
+        flat = [piece for pieces in pieces_per_text for piece in pieces]
+        try:
+            encodings = self._hf.encode_batch_fast(flat, add_special_tokens=False)
+        except Exception as err:  # the library raises bare Exception/TypeError with vague messages
+            raise self._explain_failure(texts, err) from None
+        out, i = [], 0
+        for pieces in pieces_per_text:
+            parts = [np.asarray(encodings[j].ids, dtype=np.int32) for j in range(i, i + len(pieces))]
+            i += len(pieces)
+            out.append(parts[0] if len(parts) == 1 else np.concatenate(parts))
+        return out
+
+    def decode(self, ids: Sequence[int] | np.ndarray) -> str:
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.vocab_size):
+            bad = ids[(ids < 0) | (ids >= self.vocab_size)][0]
+            raise ValueError(f"token id {bad} is outside the vocabulary of {self.vocab_size} tokens")
+        return self._hf.decode(ids.tolist(), skip_special_tokens=False)
+
+    def save(self, path: str | Path) -> Path:
+        """Write tokenizer.json (to `path`, or inside it when it is a directory), atomically."""
+        path = Path(path)
+        if path.is_dir():
+            path = path / "tokenizer.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(self._hf.to_str(pretty=True))
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path, kind: str = FILE) -> Tokenizer:
+        path = Path(path)
+        if path.is_dir():
+            path = path / "tokenizer.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"tokenizer file not found: {path}")
+        try:
+            hf = HFTokenizer.from_file(str(path))
+        except Exception as err:
+            raise ValueError(f"{path} is not a valid tokenizer.json: {err}") from None
+        return cls(hf, kind)
+
+    def _pieces(self, text: str) -> list[str]:
+        if len(text) <= _PIECE_CHARS or self._cut_rule is None:
+            return [text]
+        pieces, start = [], 0
+        while len(text) - start > _PIECE_CHARS:
+            if self._cut_rule == CHAR:
+                cut = start + _PIECE_CHARS
+            else:
+                match = _BPE_CUT.search(text, start + _PIECE_CHARS)
+                if match is None:
+                    break
+                cut = match.end()
+            pieces.append(text[start:cut])
+            start = cut
+        pieces.append(text[start:])
+        return pieces
+
+    def _explain_failure(self, texts: list[str], err: Exception) -> ValueError:
+        vocab = self._hf.get_vocab()
+        for text in texts:
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as bad:
+                return ValueError(f"text has a lone surrogate at index {bad.start}: not valid Unicode")
+            if self._cut_rule == CHAR:
+                unseen = next((c for c in text if c not in vocab), None)
+                if unseen is not None:
+                    return ValueError(
+                        f"character {unseen!r} is not in the char tokenizer's vocabulary "
+                        "(it knows only the characters of its training text)"
+                    )
+        return ValueError(f"cannot encode text: {err}")
+
+
+def _cut_rule(config: dict) -> str | None:
+    """Where a long text may be cut without changing its encoding: CHAR anywhere, BPE at lines."""
+    if config.get("normalizer") is not None:
+        return None
+    if any("\n" in token["content"] for token in config.get("added_tokens") or []):
+        return None
+    pre, model = config.get("pre_tokenizer") or {}, config.get("model") or {}
+    if model.get("type") == "WordLevel" and pre == _char_pre_tokenizer_config():
+        return CHAR
+    if (model.get("type") == "BPE" and model.get("dropout") is None and pre.get("type") == "ByteLevel"
+            and pre.get("use_regex", True) and not pre.get("add_prefix_space")):
+        return BPE
+    return None
+
+
+def _char_pre_tokenizer() -> pre_tokenizers.PreTokenizer:
+    return pre_tokenizers.Split(Regex(_CHAR_PATTERN), behavior="isolated")
+
+
+def _char_pre_tokenizer_config() -> dict:
+    return json.loads(_char_pre_tokenizer().__getstate__())
+
+
+def train_bpe(texts: list[str], vocab_size: int) -> Tokenizer:
+    if vocab_size <= BYTE_ALPHABET:
+        raise ValueError(
+            f"model.vocab_size = {vocab_size} is too small for byte-level BPE: it needs more than "
+            f"{BYTE_ALPHABET} (the byte alphabet) to learn any merge"
+        )
+    if not any(texts):
+        raise ValueError("cannot train a BPE tokenizer on an empty corpus")
+    hf = HFTokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=[],
+        show_progress=False,
+    )
+    hf.train_from_iterator(texts, trainer, length=len(texts))
+    return Tokenizer(hf, BPE)
+
+
+def build_char(texts: list[str], vocab_size: int) -> Tokenizer:
+    chars = sorted(set().union(*map(set, texts)))
+    if not chars:
+        raise ValueError("cannot build a char tokenizer from an empty corpus")
+    if len(chars) > vocab_size:
+        raise ValueError(
+            f"the corpus has {len(chars)} distinct characters but model.vocab_size is {vocab_size}"
+        )
+    hf = HFTokenizer(models.WordLevel({c: i for i, c in enumerate(chars)}, unk_token=_NO_UNK))
+    hf.pre_tokenizer = _char_pre_tokenizer()
+    hf.decoder = decoders.Fuse()  # the default decoder would put spaces between characters
+    return Tokenizer(hf, CHAR)
+
+
+def build_tokenizer(spec: str, texts: list[str], vocab_size: int) -> Tokenizer:
+    """`spec` is "bpe", "char" or the path of a tokenizer.json; `texts` train the first two."""
+    if spec == BPE:
+        return train_bpe(texts, vocab_size)
+    if spec == CHAR:
+        return build_char(texts, vocab_size)
+    tokenizer = Tokenizer.load(spec)
+    if tokenizer.vocab_size > vocab_size:
+        raise ValueError(
+            f"{spec} has {tokenizer.vocab_size} tokens but model.vocab_size is {vocab_size}"
+        )
+    return tokenizer

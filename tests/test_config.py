@@ -1,0 +1,103 @@
+"""Config: defaults, TOML and overrides, validation messages, fingerprints."""
+
+import subprocess
+import sys
+import json
+from pathlib import Path
+
+import pytest
+
+from jaxgpt.cli import main
+from jaxgpt.config import ConfigError, ModelConfig, RunConfig, build_config, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_defaults_are_the_day1_baseline():
+    cfg = ModelConfig()
+    assert (cfg.vocab_size, cfg.context_length, cfg.d_model, cfg.n_layers, cfg.n_heads) == (1024, 128, 128, 2, 4)
+    assert (cfg.kv_heads, cfg.hidden_size, cfg.norm_eps, cfg.init_std) == (4, 512, 1e-5, 0.02)
+    assert (cfg.position, cfg.norm, cfg.residual, cfg.feed_forward) == ("learned", "layernorm", "pre", "gelu")
+    assert cfg.tie_embeddings and not cfg.bias and cfg.dropout == 0.0
+
+
+def test_toml_and_overrides(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('[model]\nd_model = 64\nposition = "rope"\n[train]\nlr = 1\n')
+    cfg = load_config(path, ["model.n_layers=3", "model.norm=rmsnorm", "train.steps=7", "data.source=hf:x:train"])
+    assert (cfg.model.d_model, cfg.model.position, cfg.model.n_layers, cfg.model.norm) == (64, "rope", 3, "rmsnorm")
+    assert cfg.train.lr == 1.0 and isinstance(cfg.train.lr, float) and cfg.train.steps == 7
+    assert cfg.data.source == "hf:x:train"
+    assert cfg.model.hidden_size == 256  # derived from the overridden width
+
+
+def test_resolved_config_round_trips_through_toml(tmp_path):
+    cfg = load_config(None, ["model.position=rope", "model.kv_heads=2"])
+    path = tmp_path / "resolved.toml"
+    path.write_text(cfg.to_toml())
+    again = load_config(path)
+    assert again == cfg and again.fingerprint() == cfg.fingerprint()
+
+
+def test_fingerprint_tracks_every_value():
+    a = RunConfig()
+    assert a.fingerprint() == RunConfig().fingerprint()
+    assert a.fingerprint() != load_config(None, ["model.dropout=0.1"]).fingerprint()
+    longer = load_config(None, ["train.steps=99"])
+    assert longer.fingerprint() != a.fingerprint()
+    assert longer.fingerprint(exclude=("train.steps",)) == a.fingerprint(exclude=("train.steps",))
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["model.d_model=130"], "model.d_model = 130 is not divisible by model.n_heads = 4"),
+    (["model.kv_heads=3"], "model.n_heads = 4 is not divisible by model.kv_heads = 3"),
+    (["model.norm=batchnorm"], "model.norm = 'batchnorm' is not one of layernorm, rmsnorm"),
+    (["model.n_head=2"], "unknown config key model.n_head (did you mean 'n_heads'?)"),
+    (["modle.n_heads=2"], "unknown config section 'modle' (did you mean 'model'?)"),
+    (["model.d_model=big"], "model.d_model = 'big' must be a int"),
+    (["model.bias=1"], "model.bias = 1 must be a bool"),
+    (["train.batch_size=10", "train.grad_accum=3"], "train.batch_size = 10 is not divisible by train.grad_accum = 3"),
+    (["model.n_layers"], "must look like section.key=value"),
+])
+def test_validation_names_the_key_and_why(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides)
+    assert message in str(err.value)
+
+
+def test_missing_and_broken_files(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "nope.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[model\n")
+    with pytest.raises(ConfigError, match="invalid TOML"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="must be a table"):
+        build_config({"model": 3})
+
+
+def test_dry_run_day1_prints_the_acceptance_line():
+    out = subprocess.run([sys.executable, "-m", "jaxgpt", "dry-run", "--config", "experiments/day1.toml"],
+                         cwd=ROOT, capture_output=True, text=True, check=True)
+    record = json.loads(out.stdout)
+    assert record["parameters"] == 541952 and record["logits_shape"] == [1, 128, 1024]
+    assert record["config_sha256"] == load_config(ROOT / "experiments/day1.toml").fingerprint()
+
+
+def test_dry_run_bad_input_is_one_line_without_traceback():
+    out = subprocess.run([sys.executable, "-m", "jaxgpt", "dry-run", "--set", "model.d_model=130"],
+                         cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.strip().count("\n") == 0 and "not divisible" in out.stderr
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--set", "model.position=alibi"], "is not one of learned, rope"),
+    (["--set", "model.kv_heads=3"], "not divisible by model.kv_heads"),
+    (["--seq-len", "129"], "sequence exceeds context_length"),
+    (["--config", "missing.toml"], "config file not found"),
+])
+def test_dry_run_errors_in_process(args, message, capsys):
+    assert main(["dry-run", *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1

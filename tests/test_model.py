@@ -1,0 +1,326 @@
+"""The decoder: parameter counts, causality, cache, layouts, the seed's init and norm lessons."""
+
+import dataclasses
+import functools
+import itertools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from jaxgpt.config import ModelConfig
+from jaxgpt.layers import FeedForward, LayerNorm, RMSNorm
+from jaxgpt.model import (count_params, forward, forward_cached, init_cache, init_params,
+                          stack_blocks, unstack_blocks)
+
+TINY = ModelConfig(vocab_size=64, context_length=16, d_model=32, n_layers=2, n_heads=4)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 3),
+                   compiler_options={"xla_backend_optimization_level": 0})
+def jit_forward(params, cfg, tokens, all_depths=False):
+    return forward(params, cfg, tokens, all_depths=all_depths)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def jit_forward_cached(params, cfg, tokens, cache):
+    return forward_cached(params, cfg, tokens, cache)
+
+
+def random_tokens(cfg, batch, length, seed=1):
+    return jax.random.randint(jax.random.key(seed), (batch, length), 0, cfg.vocab_size)
+
+
+def expected_params(cfg: ModelConfig) -> int:
+    """The seed's parameter count, generalised to every switch."""
+    C, F, D = cfg.d_model, cfg.hidden_size, cfg.head_size
+    norm = 2 * C if cfg.norm == "layernorm" else C
+    attention = C * (cfg.n_heads + 2 * cfg.kv_heads) * D + cfg.n_heads * D * C
+    if cfg.bias:
+        attention += (cfg.n_heads + 2 * cfg.kv_heads) * D + C
+    n_mats = 3 if cfg.feed_forward == "swiglu" else 2
+    feed_forward = n_mats * C * F + (((n_mats - 1) * F + C) if cfg.bias else 0)
+    block = attention + feed_forward + 2 * norm
+    total = cfg.n_layers * block + cfg.vocab_size * C + norm
+    total += cfg.context_length * C if cfg.position == "learned" else 0
+    total += 0 if cfg.tie_embeddings else C * cfg.vocab_size
+    total += cfg.mtp_depth * (feed_forward + norm)
+    return total
+
+
+def test_day1_baseline_has_the_seed_parameter_count():
+    cfg = ModelConfig()
+    params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
+    C, V, T = 128, 1024, 128
+    assert count_params(params) == 2 * (4 * C**2 + 8 * C**2 + 4 * C) + V * C + T * C + 2 * C == 541_952
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(d_model=64, n_layers=3, n_heads=2, vocab_size=500, context_length=32),
+    dict(d_model=256, n_layers=4, n_heads=8, vocab_size=2048, context_length=256),
+    dict(position="rope", norm="rmsnorm", feed_forward="swiglu", kv_heads=1, hidden_size=300),
+    dict(tie_embeddings=False, bias=True, mtp_depth=2, kv_heads=2),
+])
+def test_parameter_count_matches_formula(overrides):
+    cfg = ModelConfig(**overrides)
+    params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
+    assert count_params(params) == expected_params(cfg)
+    if set(overrides) <= {"d_model", "n_layers", "n_heads", "vocab_size", "context_length"}:
+        C, L = cfg.d_model, cfg.n_layers
+        seed_formula = L * (4 * C**2 + 8 * C**2 + 4 * C) + cfg.vocab_size * C + cfg.context_length * C + 2 * C
+        assert count_params(params) == seed_formula
+
+
+# XLA's compile time dominates these tests: compile the 8 variants of one architecture (kv heads x
+# tied head x scanned stack) as one program, with the expensive optimisation passes off.
+FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+ARCHITECTURES = list(itertools.product(["learned", "rope"], ["layernorm", "rmsnorm"], ["pre", "post"],
+                                       ["gelu", "swiglu"]))
+VARIANTS = list(itertools.product([4, 2], [True, False], [True, False]))  # kv_heads, tie, scan
+
+
+def full_and_cached_logits(cfg, tokens, prefill_length):
+    """The full forward pass of every row, and for the first two rows a prefill then one cached
+    step per remaining token."""
+    params = init_params(cfg, jax.random.key(0))
+    full = forward(params, cfg, tokens)
+    cache = init_cache(cfg, 2, tokens.shape[1])
+    prefill, cache = forward_cached(params, cfg, tokens[:2, :prefill_length], cache)
+
+    def step(cache, token_B):
+        logits, cache = forward_cached(params, cfg, token_B[:, None], cache)
+        return cache, logits[:, 0]
+
+    cache, stepped_TBV = jax.lax.scan(step, cache, tokens[:2, prefill_length:].T)
+    cached = jnp.concatenate([prefill, stepped_TBV.transpose(1, 0, 2)], axis=1)
+    return full, cached, cache["index"]
+
+
+@functools.partial(jax.jit, static_argnums=0, compiler_options=FAST_COMPILE)
+def all_variants(cfgs, tokens):
+    return [full_and_cached_logits(cfg, tokens, 9) for cfg in cfgs]
+
+
+@pytest.mark.parametrize("position,norm,residual,feed_forward", ARCHITECTURES)
+def test_every_switch_is_causal_and_cache_exact(position, norm, residual, feed_forward):
+    cfgs = tuple(dataclasses.replace(TINY, position=position, norm=norm, residual=residual,
+                                     feed_forward=feed_forward, kv_heads=kv_heads,
+                                     tie_embeddings=tie, scan_layers=scan)
+                 for kv_heads, tie, scan in VARIANTS)
+    T, V = TINY.context_length, TINY.vocab_size
+    base = np.asarray(random_tokens(TINY, 1, T))
+    # Row i changes token i (i = 1..T-1), so row i's logits before position i must equal row 0's.
+    edited = np.repeat(base, T, axis=0)
+    for i in range(1, T):
+        edited[i, i] = (edited[i, i] + 1) % V
+    for cfg, outputs in zip(cfgs, all_variants(cfgs, jnp.asarray(edited))):
+        full, cached, index = (np.asarray(a) for a in outputs)
+        assert full.shape == (T, T, V), cfg
+        for i in range(1, T):
+            np.testing.assert_allclose(full[i, :i], full[0, :i], atol=1e-5, rtol=0, err_msg=str(cfg))
+            assert np.abs(full[i, i] - full[0, i]).max() > 1e-4, cfg  # the edit is seen from i on
+        # Prefill 9 tokens, then one token at a time: the same logits as the full forward pass.
+        np.testing.assert_allclose(cached, full[:2], atol=1e-5, rtol=0, err_msg=str(cfg))
+        assert index.tolist() == [T, T]
+
+
+def test_blocks_keep_shape_and_dtype_and_chex_rejects_wrong_width():
+    from jaxgpt.layers import TransformerBlock
+
+    for dtype in (jnp.float32, jnp.bfloat16):
+        cfg = dataclasses.replace(TINY, dtype="bfloat16" if dtype == jnp.bfloat16 else "float32")
+        block = TransformerBlock(cfg)
+        x = jnp.ones((2, 5, cfg.d_model), dtype)
+        variables = block.init(jax.random.key(0), x, None)
+        y, _ = block.apply(variables, x, None)
+        assert y.shape == x.shape and y.dtype == x.dtype
+    with pytest.raises(AssertionError):
+        block.apply(variables, jnp.ones((2, 5, cfg.d_model + 1), jnp.float32), None)
+
+
+def test_scanned_and_unrolled_layouts_agree_and_jit_matches_eager():
+    cfg = dataclasses.replace(TINY, position="rope", n_layers=3)
+    unrolled_cfg = dataclasses.replace(cfg, scan_layers=False)
+    params = init_params(cfg, jax.random.key(3))
+    unrolled = unstack_blocks(params, cfg)
+    assert set(unrolled) >= {"block_0", "block_1", "block_2"} and "blocks" not in unrolled
+    tokens = random_tokens(cfg, 2, 12)
+    scanned_logits = jit_forward(params, cfg, tokens)
+    np.testing.assert_allclose(jit_forward(unrolled, unrolled_cfg, tokens), scanned_logits, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(forward(params, cfg, tokens), scanned_logits, atol=1e-5, rtol=0)
+    restacked = stack_blocks(unrolled, cfg)
+    jax.tree_util.tree_map(np.testing.assert_array_equal, restacked, params)
+    # Fresh unrolled params have the same tree as the converted ones.
+    fresh = jax.eval_shape(lambda: init_params(unrolled_cfg, jax.random.key(0)))
+    assert jax.tree_util.tree_structure(fresh) == jax.tree_util.tree_structure(unrolled)
+
+
+def test_remat_changes_nothing_but_memory():
+    cfg = dataclasses.replace(TINY, remat=True)
+    params = init_params(cfg, jax.random.key(0))
+    tokens = random_tokens(cfg, 2, 8)
+    grad = jax.jit(jax.grad(lambda p, c: forward(p, c, tokens).mean()), static_argnums=1)
+    g_remat = grad(params, cfg)
+    g_plain = grad(params, dataclasses.replace(cfg, remat=False))
+    jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), g_remat, g_plain)
+
+
+def mean_loss(logits, tokens):
+    return float(optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], tokens[:, 1:]).mean())
+
+
+def test_init_lesson_from_the_seed():
+    cfg = ModelConfig()
+    tokens = random_tokens(cfg, 8, cfg.context_length)
+    small = jit_forward(init_params(cfg, jax.random.key(0)), cfg, tokens)
+    assert abs(mean_loss(small, tokens) - math.log(cfg.vocab_size)) < 0.05
+    big_cfg = dataclasses.replace(cfg, init_std=1.0)
+    big = jit_forward(init_params(big_cfg, jax.random.key(0)), big_cfg, tokens)
+    assert mean_loss(big, tokens) > math.log(cfg.vocab_size) + 5
+
+
+def apply_norm(module, x):
+    return module.apply(module.init(jax.random.key(0), x), x)
+
+
+def test_layernorm_has_the_seed_properties():
+    x = jax.random.normal(jax.random.key(0), (4, 7, 64)) * 3 + 2
+    y = np.asarray(apply_norm(LayerNorm(eps=1e-5), x))
+    np.testing.assert_allclose(y.mean(-1), 0, atol=1e-5)
+    np.testing.assert_allclose(y.std(-1), 1, atol=1e-3)  # biased std, as GPT-2
+    np.testing.assert_allclose(apply_norm(LayerNorm(eps=1e-5), x + 1.0), y, atol=1e-4)
+    np.testing.assert_allclose(apply_norm(LayerNorm(eps=1e-5), x * 2.0), y, atol=1e-4)
+    np.testing.assert_array_equal(np.argsort(y, -1), np.argsort(np.asarray(x), -1))
+
+
+def test_rmsnorm_drops_only_the_mean():
+    x = jax.random.normal(jax.random.key(0), (4, 64)) + 1.5
+    y = np.asarray(apply_norm(RMSNorm(eps=1e-6), x))
+    np.testing.assert_allclose(np.sqrt((y**2).mean(-1)), 1, atol=1e-4)
+    assert np.abs(y.mean(-1)).min() > 0.3  # the mean is kept, so outputs are not centred
+    np.testing.assert_allclose(apply_norm(RMSNorm(eps=1e-6), x * 2.0), y, atol=1e-4)
+    assert np.abs(np.asarray(apply_norm(RMSNorm(eps=1e-6), x + 1.0)) - y).max() > 0.05
+    centred = x - x.mean(-1, keepdims=True)
+    np.testing.assert_allclose(apply_norm(RMSNorm(eps=1e-5), centred),
+                               apply_norm(LayerNorm(eps=1e-5), centred), atol=1e-4)
+
+
+def test_feed_forward_uses_gpt2_tanh_gelu():
+    cfg = TINY
+    x = jax.random.normal(jax.random.key(0), (2, 3, cfg.d_model))
+    module = FeedForward(cfg)
+    variables = module.init(jax.random.key(1), x)
+    p = variables["params"]
+    h = x @ p["up"]["kernel"]
+    tanh_gelu = 0.5 * h * (1 + jnp.tanh(math.sqrt(2 / math.pi) * (h + 0.044715 * h**3)))
+    erf_gelu = 0.5 * h * (1 + jax.scipy.special.erf(h / math.sqrt(2)))
+    out = module.apply(variables, x)
+    np.testing.assert_allclose(out, tanh_gelu @ p["down"]["kernel"], atol=1e-6)
+    assert np.abs(np.asarray(erf_gelu - tanh_gelu)).max() > 1e-6  # the two forms are distinguishable
+
+
+def test_overfits_one_batch():
+    cfg = ModelConfig()
+    params = init_params(cfg, jax.random.key(0))
+    tokens = random_tokens(cfg, 4, cfg.context_length, seed=7)
+    optimizer = optax.adamw(3e-3, b2=0.99, weight_decay=0.0)
+    state = optimizer.init(params)
+
+    def loss_fn(p):
+        logits = forward(p, cfg, tokens)
+        return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], tokens[:, 1:]).mean()
+
+    @jax.jit
+    def step(p, s):
+        loss, grads = jax.value_and_grad(loss_fn)(p)
+        updates, s = optimizer.update(grads, s, p)
+        return optax.apply_updates(p, updates), s, loss
+
+    for _ in range(200):
+        params, state, loss = step(params, state)
+    assert float(loss) < 0.1
+
+
+def test_all_depths_stacks_mtp_heads():
+    cfg = dataclasses.replace(TINY, mtp_depth=2)
+    params = init_params(cfg, jax.random.key(0))
+    tokens = random_tokens(cfg, 2, 8)
+    stacked = jit_forward(params, cfg, tokens, True)
+    assert stacked.shape == (3, 2, 8, cfg.vocab_size)
+    np.testing.assert_allclose(stacked[0], jit_forward(params, cfg, tokens), atol=1e-6)
+    assert np.abs(np.asarray(stacked[1] - stacked[0])).max() > 1e-4
+    plain = dataclasses.replace(TINY, mtp_depth=0)
+    plain_params = init_params(plain, jax.random.key(0))
+    one = jit_forward(plain_params, plain, tokens, True)
+    assert one.shape == (1, 2, 8, plain.vocab_size)
+    np.testing.assert_allclose(one[0], jit_forward(plain_params, plain, tokens), atol=1e-6)
+
+
+def test_bfloat16_compute_keeps_float32_params_and_logits():
+    cfg = dataclasses.replace(TINY, dtype="bfloat16")
+    params = init_params(cfg, jax.random.key(0))
+    assert {leaf.dtype for leaf in jax.tree_util.tree_leaves(params)} == {jnp.dtype(jnp.float32)}
+    tokens = random_tokens(cfg, 2, 8)
+    logits = jit_forward(params, cfg, tokens)
+    assert logits.dtype == jnp.float32
+    reference = jit_forward(params, dataclasses.replace(cfg, dtype="float32"), tokens)
+    np.testing.assert_allclose(logits, reference, atol=0.05)
+
+
+def test_dropout_needs_rng_and_is_off_at_eval():
+    cfg = dataclasses.replace(TINY, dropout=0.5)
+    params = init_params(cfg, jax.random.key(0))
+    tokens = random_tokens(cfg, 2, 8)
+    with pytest.raises(ValueError, match="rng"):
+        forward(params, cfg, tokens, train=True)
+    a = forward(params, cfg, tokens, train=True, rng=jax.random.key(1))
+    b = forward(params, cfg, tokens, train=True, rng=jax.random.key(2))
+    assert np.abs(np.asarray(a - b)).max() > 1e-3
+    np.testing.assert_array_equal(forward(params, cfg, tokens), forward(params, cfg, tokens))
+
+
+class TestBadInput:
+    cfg = TINY
+    params = None
+
+    @pytest.fixture(autouse=True)
+    def _params(self):
+        self.params = init_params(self.cfg, jax.random.key(0))
+
+    def test_rank(self):
+        with pytest.raises(ValueError, match=r"token IDs must have shape \[batch, sequence\]"):
+            forward(self.params, self.cfg, jnp.zeros((4,), jnp.int32))
+
+    def test_dtype(self):
+        with pytest.raises(ValueError, match="integers"):
+            forward(self.params, self.cfg, jnp.zeros((1, 4), jnp.float32))
+
+    @pytest.mark.parametrize("bad", [-1, TINY.vocab_size])
+    def test_out_of_range_ids(self, bad):
+        tokens = jnp.zeros((1, 4), jnp.int32).at[0, 2].set(bad)
+        with pytest.raises(ValueError, match=r"\[0, 64\)"):
+            forward(self.params, self.cfg, tokens)
+        with pytest.raises(ValueError, match=r"\[0, 64\)"):
+            forward_cached(self.params, self.cfg, tokens, init_cache(self.cfg, 1, 8))
+
+    def test_too_long_for_learned_positions(self):
+        with pytest.raises(ValueError, match="context_length"):
+            forward(self.params, self.cfg, jnp.zeros((1, self.cfg.context_length + 1), jnp.int32))
+        with pytest.raises(ValueError, match="context_length"):
+            init_cache(self.cfg, 1, self.cfg.context_length + 1)
+
+    def test_rope_may_run_past_context(self):
+        cfg = dataclasses.replace(self.cfg, position="rope")
+        params = init_params(cfg, jax.random.key(0))
+        assert forward(params, cfg, jnp.zeros((1, 2 * cfg.context_length), jnp.int32)).shape[1] == 32
+
+    def test_cache_overflow_and_batch_mismatch(self):
+        cache = init_cache(self.cfg, 1, 6)
+        _, cache = forward_cached(self.params, self.cfg, jnp.zeros((1, 4), jnp.int32), cache)
+        with pytest.raises(ValueError, match="overflow"):
+            forward_cached(self.params, self.cfg, jnp.zeros((1, 3), jnp.int32), cache)
+        with pytest.raises(ValueError, match="batch"):
+            forward_cached(self.params, self.cfg, jnp.zeros((2, 1), jnp.int32), cache)

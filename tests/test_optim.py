@@ -1,0 +1,115 @@
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from jaxgpt.config import TrainConfig
+from jaxgpt.optim import decay_mask, lr_schedule, make_optimizer
+
+CFG = TrainConfig(steps=100, warmup_steps=10, lr=1e-3, min_lr=1e-4)
+
+
+def nanogpt_get_lr(it: int, warmup: int, decay_iters: int, lr: float, min_lr: float) -> float:
+    """nanoGPT's train.py get_lr, copied as the reference."""
+    if it < warmup:
+        return lr * (it + 1) / (warmup + 1)
+    if it > decay_iters:
+        return min_lr
+    ratio = (it - warmup) / (decay_iters - warmup)
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (lr - min_lr)
+
+
+def test_schedule_landmarks() -> None:
+    schedule = lr_schedule(CFG)
+    assert float(schedule(0)) == pytest.approx(1e-3 / 11, rel=1e-5)  # first update is not lr 0
+    assert float(schedule(10)) == pytest.approx(1e-3, rel=1e-5)  # end of warmup: peak
+    assert float(schedule(55)) == pytest.approx((1e-3 + 1e-4) / 2, rel=1e-5)  # cosine midpoint
+    assert float(schedule(100)) == pytest.approx(1e-4, rel=1e-5)  # step == steps: min_lr
+    assert float(schedule(500)) == pytest.approx(1e-4, rel=1e-5)  # held after the end
+
+
+def test_schedule_matches_nanogpt_at_every_step() -> None:
+    schedule = jax.jit(lr_schedule(CFG))
+    ours = [float(schedule(n)) for n in range(0, 121)]
+    ref = [nanogpt_get_lr(n, 10, 100, 1e-3, 1e-4) for n in range(0, 121)]
+    np.testing.assert_allclose(ours, ref, rtol=1e-5)
+
+
+def test_schedule_without_warmup_starts_at_peak() -> None:
+    schedule = lr_schedule(dataclasses.replace(CFG, warmup_steps=0))
+    assert float(schedule(0)) == pytest.approx(1e-3, rel=1e-5)
+    assert float(schedule(100)) == pytest.approx(1e-4, rel=1e-5)
+
+
+def test_schedule_warmup_longer_than_run_only_ramps() -> None:
+    # A smoke run (steps=5) with the default warmup must build, not crash in optax.
+    schedule = lr_schedule(TrainConfig(steps=5, warmup_steps=100, lr=1e-3, min_lr=1e-4))
+    for n in range(5):
+        assert float(schedule(n)) == pytest.approx(1e-3 * (n + 1) / 101, rel=1e-5)
+
+
+def small_params() -> dict:
+    """Mimics the model tree: embeddings, a scanned block stack (leading L=2 axis), final norm."""
+    ones = lambda *shape: jnp.ones(shape, jnp.float32)  # noqa: E731
+    return {
+        "token_embedding": {"embedding": ones(16, 4)},
+        "position_embedding": {"embedding": ones(8, 4)},
+        "blocks": {
+            "attn_norm": {"scale": ones(2, 4), "bias": ones(2, 4)},
+            "attn": {"qkv": {"kernel": ones(2, 4, 12), "bias": ones(2, 12)},
+                     "out": {"kernel": ones(2, 4, 4)}},
+            "mlp": {"fc": {"kernel": ones(2, 4, 16)}, "proj": {"kernel": ones(2, 16, 4)}},
+        },
+        "final_norm": {"scale": ones(4)},
+    }
+
+
+def decayed_paths(mask: dict) -> set[str]:
+    flat = jax.tree_util.tree_flatten_with_path(mask)[0]
+    return {jax.tree_util.keystr(path) for path, value in flat if value}
+
+
+KERNELS = {
+    "['blocks']['attn']['qkv']['kernel']",
+    "['blocks']['attn']['out']['kernel']",
+    "['blocks']['mlp']['fc']['kernel']",
+    "['blocks']['mlp']['proj']['kernel']",
+}
+
+
+def test_decay_mask_marks_exactly_kernels() -> None:
+    mask = decay_mask(small_params())
+    assert jax.tree_util.tree_structure(mask) == jax.tree_util.tree_structure(small_params())
+    assert decayed_paths(mask) == KERNELS
+
+
+def test_zero_gradient_update_decays_only_kernels() -> None:
+    cfg = dataclasses.replace(CFG, warmup_steps=0, weight_decay=0.1)
+    params = small_params()
+    optimizer = make_optimizer(cfg)
+    grads = jax.tree.map(jnp.zeros_like, params)
+    updates, _ = jax.jit(optimizer.update)(grads, optimizer.init(params), params)
+    new = optax.apply_updates(params, updates)
+    # Zero gradient: Adam's part is 0, so only decoupled decay moves a leaf: p * (1 - lr * wd).
+    for path, leaf in jax.tree_util.tree_flatten_with_path(new)[0]:
+        expected = 1.0 - 1e-3 * 0.1 if jax.tree_util.keystr(path) in KERNELS else 1.0
+        np.testing.assert_allclose(leaf, expected, rtol=1e-7, err_msg=jax.tree_util.keystr(path))
+
+
+def first_moment_norm(clip_norm: float, grads: dict, params: dict) -> float:
+    optimizer = make_optimizer(dataclasses.replace(CFG, clip_norm=clip_norm))
+    _, state = jax.jit(optimizer.update)(grads, optimizer.init(params), params)
+    # Adam's first moment after one step is (1 - beta1) * the gradient Adam was given.
+    return float(optax.tree.norm(optax.tree.get(state, "mu")))
+
+
+def test_clipping_bounds_the_gradient_adam_sees() -> None:
+    params = {"mlp": {"kernel": jnp.ones((4, 16))}, "norm": {"scale": jnp.ones(4)}}
+    huge = jax.tree.map(lambda p: 1e4 * jnp.ones_like(p), params)
+    huge_norm = float(optax.tree.norm(huge))
+    assert first_moment_norm(1.0, huge, params) == pytest.approx(0.1 * 1.0, rel=1e-5)
+    assert first_moment_norm(0.0, huge, params) == pytest.approx(0.1 * huge_norm, rel=1e-5)
