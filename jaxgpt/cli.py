@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from collections.abc import Callable, Sequence
 
 from jaxgpt.config import load_config
 
-EXPECTED_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, PermissionError)
+EXPECTED_ERRORS = (ValueError, ImportError, FileNotFoundError, NotADirectoryError, PermissionError)
 
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
@@ -38,6 +39,67 @@ def cmd_dry_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train(args: argparse.Namespace) -> int:
+    from jaxgpt.train import train
+
+    overrides = list(args.overrides)
+    if args.data is not None:
+        overrides.append(f"data.source={json.dumps(args.data)}")
+    if args.steps is not None:
+        overrides.append(f"train.steps={args.steps}")
+    cfg = load_config(args.config, overrides)
+    summary = train(cfg, out_dir=args.out, resume=args.resume, progress=not args.no_progress)
+    print(json.dumps(summary))
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    import jax
+
+    from jaxgpt.checkpoint import load_run, load_run_config
+    from jaxgpt.step import compile_steps
+    from jaxgpt.train import evaluate, prepare_data
+
+    cfg = load_run_config(args.run)
+    if args.data is not None:
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, source=args.data))
+    data = prepare_data(cfg, Path(args.run))
+    _, params = load_run(args.run)
+    _, eval_fn = compile_steps(cfg)
+    result = evaluate(eval_fn, params, cfg, data)
+    print(json.dumps({"loss": result["val_loss"], "perplexity": result["val_perplexity"],
+                      "bits_per_byte": result["val_bits_per_byte"], "batches": cfg.train.eval_batches}))
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from jaxgpt.checkpoint import load_run
+    from jaxgpt.generate import generate_tokens
+    from jaxgpt.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.load(Path(args.run) / "tokenizer.json")
+    model, params = load_run(args.run)
+    prompt = list(tokenizer.encode(args.prompt)) if args.prompt else list(tokenizer.encode("\n")) or [0]
+    top_k = args.top_k or None
+    sys.stdout.write(args.prompt)
+    emitted: list[int] = []
+    printed = ""
+    for tokens in generate_tokens(params, model, [prompt], args.max_new_tokens, temperature=args.temperature,
+                                  top_k=top_k, top_p=args.top_p, seed=args.seed):
+        if tokens[0] < 0:
+            break
+        emitted.append(int(tokens[0]))
+        text = tokenizer.decode(emitted)
+        if not text.endswith("\ufffd"):  # hold back a byte sequence that is not complete yet
+            sys.stdout.write(text[len(printed):])
+            sys.stdout.flush()
+            printed = text
+    sys.stdout.write(tokenizer.decode(emitted)[len(printed):] + "\n")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxgpt", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -47,6 +109,30 @@ def build_parser() -> argparse.ArgumentParser:
     dry.add_argument("--batch-size", type=int, default=1)
     dry.add_argument("--seq-len", type=int, default=None, help="default: model.context_length")
     dry.set_defaults(func=cmd_dry_run)
+
+    tr = sub.add_parser("train", help="train a model into a run directory")
+    _add_config_args(tr)
+    tr.add_argument("--data", help="data.source: stdlib, a file, a directory, a glob or hf:NAME[:SPLIT]")
+    tr.add_argument("--steps", type=int, help="train.steps")
+    tr.add_argument("--out", default="runs/default", help="the run directory (default: runs/default)")
+    tr.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
+    tr.add_argument("--no-progress", action="store_true", help="no progress bar")
+    tr.set_defaults(func=cmd_train)
+
+    ev = sub.add_parser("eval", help="validation loss, perplexity and bits per byte of a run")
+    ev.add_argument("--run", required=True, help="a run directory")
+    ev.add_argument("--data", help="evaluate on another data source with the run's tokenizer")
+    ev.set_defaults(func=cmd_eval)
+
+    gen = sub.add_parser("generate", help="sample text from a run, streamed as it is produced")
+    gen.add_argument("--run", required=True, help="a run directory")
+    gen.add_argument("--prompt", default="")
+    gen.add_argument("--max-new-tokens", type=int, default=200)
+    gen.add_argument("--temperature", type=float, default=0.8, help="0 for greedy")
+    gen.add_argument("--top-k", type=int, default=0, help="0 for no top-k")
+    gen.add_argument("--top-p", type=float, default=None)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.set_defaults(func=cmd_generate)
     return parser
 
 

@@ -118,6 +118,7 @@ class TrainConfig:
     beta2: float = 0.99
     adam_eps: float = 1e-8
     clip_norm: float = 1.0  # 0 disables clipping
+    mtp_weight: float = 0.3  # weight of the multi-token-prediction losses beside the next-token loss
     seed: int = 0
     log_every: int = 10
     eval_every: int = 250
@@ -133,7 +134,7 @@ class TrainConfig:
         _positive(s, self, "steps", "batch_size", "grad_accum", "lr", "log_every", "eval_every")
         _positive(s, self, "eval_batches", "checkpoint_every", "keep_checkpoints", "fsdp", "adam_eps")
         _positive(s, self, "min_lr", "warmup_steps", "weight_decay", "clip_norm", "sample_tokens",
-                  "seed", allow_zero=True)
+                  "seed", "mtp_weight", allow_zero=True)
         _choice(s, "parallel", self.parallel, ("auto", "single", "sharded", "pmap"))
         if self.min_lr > self.lr:
             raise ConfigError(f"train.min_lr = {self.min_lr} exceeds train.lr = {self.lr}")

@@ -47,6 +47,20 @@ class MTPAdapter(nn.Module):
         )
 
 
+class UntiedHead(nn.Module):
+    """The output projection [C, V] when it is not the embedding read backwards."""
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, h_BTC: jax.Array) -> jax.Array:
+        cfg = self.cfg
+        kernel_CV = self.param("kernel", dense_init(cfg), (cfg.d_model, cfg.vocab_size), jnp.float32)
+        dtype = compute_dtype(cfg)
+        return jnp.einsum("btc,cv->btv", h_BTC.astype(dtype), kernel_CV.astype(dtype),
+                          preferred_element_type=jnp.float32)
+
+
 class Decoder(nn.Module):
     cfg: ModelConfig
     deterministic: bool = True
@@ -85,9 +99,7 @@ class Decoder(nn.Module):
             head = lambda h: jnp.einsum("btc,vc->btv", h.astype(dtype), head_VC.astype(dtype),
                                         preferred_element_type=jnp.float32)
         else:
-            head_CV = self.param("lm_head", dense_init(cfg), (cfg.d_model, cfg.vocab_size), jnp.float32)
-            head = lambda h: jnp.einsum("btc,cv->btv", h.astype(dtype), head_CV.astype(dtype),
-                                        preferred_element_type=jnp.float32)
+            head = UntiedHead(cfg, name="lm_head")
         logits_BTV = head(hidden_BTC)
         if all_depths:
             adapters = [MTPAdapter(cfg, self.deterministic, name=f"mtp_{d}") for d in range(cfg.mtp_depth)]

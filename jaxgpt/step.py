@@ -1,0 +1,101 @@
+"""The pure training and evaluation steps: state, batch -> state, metrics.
+
+A batch is an int32 array of token windows [B, T + 1 + mtp_depth]: inputs are the first T tokens,
+and the targets of prediction depth d are the T tokens starting d + 1 later.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxgpt.config import ModelConfig, RunConfig
+from jaxgpt.model import Params, forward, init_params
+from jaxgpt.optim import lr_schedule, make_optimizer
+
+
+@flax.struct.dataclass
+class TrainState:
+    step: jax.Array  # int32 scalar: the number of updates applied so far
+    params: Params
+    opt_state: Any
+
+
+def window_length(model: ModelConfig) -> int:
+    return model.context_length + 1 + model.mtp_depth
+
+
+def init_state(cfg: RunConfig, rng: jax.Array) -> TrainState:
+    params = init_params(cfg.model, rng)
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                      opt_state=make_optimizer(cfg.train).init(params))
+
+
+def depth_losses(params: Params, model: ModelConfig, window_BW: jax.Array, *, train: bool = False,
+                 rng: jax.Array | None = None) -> jax.Array:
+    """Mean cross-entropy (float32) of each prediction depth: [1 + mtp_depth]."""
+    T = model.context_length
+    inputs_BT = window_BW[:, :T]
+    logits_DBTV = forward(params, model, inputs_BT, all_depths=True, train=train, rng=rng)
+    targets_DBT = jnp.stack([window_BW[:, 1 + d: 1 + d + T] for d in range(1 + model.mtp_depth)])
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits_DBTV.astype(jnp.float32), targets_DBT)
+    return losses.mean(axis=(1, 2))
+
+
+def training_loss(depths: jax.Array, mtp_weight: float) -> jax.Array:
+    """Next-token loss plus `mtp_weight` times the mean loss of the further-ahead depths."""
+    if depths.shape[0] == 1:
+        return depths[0]
+    return depths[0] + mtp_weight * depths[1:].mean()
+
+
+def train_step(cfg: RunConfig, state: TrainState, batch_BW: jax.Array) -> tuple[TrainState, dict[str, jax.Array]]:
+    """One optimiser update from `grad_accum` equal micro-batches of the global batch.
+
+    The micro-batch gradients are averaged, so the update equals one on the whole batch.
+    """
+    model, train = cfg.model, cfg.train
+    optimizer = make_optimizer(train)
+    dropout_key = jax.random.fold_in(jax.random.key(train.seed), state.step)
+    micro_ABW = batch_BW.reshape(train.grad_accum, -1, batch_BW.shape[-1])
+
+    def micro_grads(carry, inputs):
+        index, window_BW = inputs
+
+        def objective(params):
+            depths = depth_losses(params, model, window_BW, train=True,
+                                  rng=jax.random.fold_in(dropout_key, index))
+            return training_loss(depths, train.mtp_weight), depths
+
+        (_, depths), grads = jax.value_and_grad(objective, has_aux=True)(state.params)
+        summed = jax.tree_util.tree_map(jnp.add, carry, (grads, depths))
+        return summed, None
+
+    zeros = jax.tree_util.tree_map(jnp.zeros_like, state.params)
+    init = (zeros, jnp.zeros((1 + model.mtp_depth,), jnp.float32))
+    (grads, depths), _ = jax.lax.scan(micro_grads, init, (jnp.arange(train.grad_accum), micro_ABW))
+    grads, depths = jax.tree_util.tree_map(lambda g: g / train.grad_accum, (grads, depths))
+
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = {"loss": depths[0], "grad_norm": optax.tree.norm(grads),
+               "lr": lr_schedule(train)(state.step)}
+    if model.mtp_depth:
+        metrics["mtp_loss"] = depths[1:].mean()
+    return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+
+def eval_step(cfg: RunConfig, params: Params, batch_BW: jax.Array) -> jax.Array:
+    """Mean next-token loss (float32) of one batch, without dropout."""
+    return depth_losses(params, cfg.model, batch_BW)[0]
+
+
+def compile_steps(cfg: RunConfig):
+    """The jitted train step (state buffers donated) and eval step for one config."""
+    train = jax.jit(lambda state, batch: train_step(cfg, state, batch), donate_argnums=0)
+    evaluate = jax.jit(lambda params, batch: eval_step(cfg, params, batch))
+    return train, evaluate

@@ -1,0 +1,183 @@
+"""Generation: cached decoding equals the plain forward, batching, sliding window, sampling rules."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxgpt.config import ModelConfig
+from jaxgpt.generate import (FINISHED, bucket_length, generate, generate_tokens, sample_logits,
+                             slide_length)
+from jaxgpt.model import forward, init_params
+
+# init_std 0.3 sharpens the random model's logits, so greedy choices are far from float ties and
+# its output wanders instead of settling on one repeated token.
+LEARNED = ModelConfig(vocab_size=64, context_length=32, d_model=32, n_layers=2, n_heads=4, init_std=0.3)
+ROPE_GQA = dataclasses.replace(LEARNED, position="rope", kv_heads=2, norm="rmsnorm", feed_forward="swiglu")
+GREEDY = dict(temperature=0.0)
+
+
+@functools.cache
+def params_for(cfg: ModelConfig):
+    return init_params(cfg, jax.random.key(0))
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _forward(params, cfg, tokens_BT):
+    return forward(params, cfg, tokens_BT)
+
+
+def naive_greedy(cfg: ModelConfig, prompt: list[int], n: int) -> tuple[list[int], int]:
+    """Greedy by calling `forward` on the whole window each step, no cache; also counts slides.
+
+    The window is the rule generate.py documents: prompts keep their last context_length tokens;
+    when the window would exceed context_length it restarts from the sequence's last
+    context_length // 2 tokens. Until the first slide the window is the whole sequence, so this is
+    then exactly the plain, uncropped greedy loop.
+    """
+    C, W = cfg.context_length, slide_length(cfg)
+    seq = list(prompt)
+    start, slides, out = max(0, len(seq) - C), 0, []
+    for _ in range(n):
+        if len(seq) - start > C:
+            start, slides = len(seq) - W, slides + 1
+        window = seq[start:]
+        padded = np.zeros((1, C), np.int32)  # right padding cannot reach earlier positions (causal)
+        padded[0, : len(window)] = window
+        t = int(np.argmax(_forward(params_for(cfg), cfg, padded)[0, len(window) - 1]))
+        out.append(t)
+        seq.append(t)
+    return out, slides
+
+
+def prompt(length: int, seed: int) -> list[int]:
+    return np.random.default_rng(seed).integers(0, LEARNED.vocab_size, length).tolist()
+
+
+@pytest.mark.parametrize("cfg, prompt_length", [(LEARNED, 5), (ROPE_GQA, 40)], ids=["learned", "rope_gqa_long_prompt"])
+def test_greedy_equals_naive_loop_across_slides(cfg, prompt_length):
+    p, n = prompt(prompt_length, 1), 60
+    expected, slides = naive_greedy(cfg, p, n)
+    assert slides >= 2, "the run should cross the sliding-window re-prefill more than once"
+    assert len(set(expected)) > 5, "a degenerate (constant) continuation would prove little"
+    got = generate(params_for(cfg), cfg, [p], n, **GREEDY)[0]
+    assert got == expected
+
+
+def test_batched_prompts_equal_each_prompt_alone():
+    # Different lengths in one bucket (8): padding is exercised, and each row reaches a full
+    # cache at a different step, so each slides alone.
+    prompts = [prompt(5, 2), prompt(8, 3), prompt(6, 4)]
+    batched = generate(params_for(LEARNED), LEARNED, prompts, 45, **GREEDY)
+    alone = [generate(params_for(LEARNED), LEARNED, [p], 45, **GREEDY)[0] for p in prompts]
+    assert batched == alone
+    assert len({tuple(r) for r in batched}) == 3
+
+
+def test_numpy_prompts_accepted_and_equal_lists():
+    p = prompt(6, 4)
+    assert (generate(params_for(LEARNED), LEARNED, [np.array(p, np.int64)], 4, **GREEDY)
+            == generate(params_for(LEARNED), LEARNED, [p], 4, **GREEDY))
+
+
+def test_seed_fixes_the_samples():
+    cfg, prompts = LEARNED, [prompt(3, 5), prompt(7, 6)]
+    run = lambda seed: generate(params_for(cfg), cfg, prompts, 12, temperature=1.0, seed=seed)
+    assert run(0) == run(0)
+    assert run(0) != run(1)
+
+
+def test_stop_token_finishes_rows_and_ends_generation():
+    prompts = [prompt(5, 2), prompt(8, 3), prompt(6, 4)]
+    full = generate(params_for(LEARNED), LEARNED, prompts, 45, **GREEDY)
+    stop = full[0][3]
+    first = full[0].index(stop)
+    steps = np.stack(list(generate_tokens(params_for(LEARNED), LEARNED, prompts, 45, stop_token=stop, **GREEDY)))
+    for row, tokens in enumerate(full):
+        end = tokens.index(stop) + 1 if stop in tokens else len(tokens)
+        assert steps[:end, row].tolist() == tokens[:end]  # up to and including the stop token
+        assert (steps[end:, row] == FINISHED).all()
+    # Generation ends as soon as every row is finished.
+    ends = [t.index(stop) + 1 if stop in t else 45 for t in full]
+    assert len(steps) == max(ends)
+    # One row alone: the generator stops right after the stop token.
+    assert generate(params_for(LEARNED), LEARNED, [prompts[0]], 45, stop_token=stop, **GREEDY) == [
+        full[0][: first + 1]]
+
+
+def test_bucket_length():
+    assert [bucket_length(n, 32) for n in (1, 2, 3, 5, 8, 9, 17, 32)] == [1, 2, 4, 8, 8, 16, 32, 32]
+    assert bucket_length(20, 24) == 24  # capped at context_length
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(temperature=-0.5), dict(temperature=float("nan")), dict(top_k=0), dict(top_k=2.5),
+    dict(top_p=0.0), dict(top_p=1.5), dict(stop_token=64), dict(max_new_tokens=-1),
+])
+def test_bad_options_raise(kwargs):
+    kwargs = {"max_new_tokens": 3, **kwargs}
+    with pytest.raises(ValueError):
+        generate_tokens(params_for(LEARNED), LEARNED, [[1, 2]], **kwargs)  # raises at the call
+
+
+@pytest.mark.parametrize("prompts", [[], [[]], [[1, 64]], [[-1, 2]], [[1.5, 2.0]], [[[1, 2]]]],
+                         ids=["no_prompts", "empty_prompt", "id_too_large", "negative_id", "floats", "2d"])
+def test_bad_prompts_raise(prompts):
+    with pytest.raises(ValueError):
+        generate_tokens(params_for(LEARNED), LEARNED, prompts, 3)
+
+
+def test_sample_logits_rejects_bad_options():
+    logits = jnp.zeros((1, 4))
+    for bad in (dict(temperature=-1.0), dict(top_k=0), dict(top_p=0.0), dict(top_p=1.01)):
+        options = {"temperature": 1.0, "top_k": None, "top_p": None, **bad}
+        with pytest.raises(ValueError):
+            sample_logits(logits, jax.random.key(0), **options)
+
+
+# sample_logits: many draws at once, one per row of a broadcast [N, V] batch.
+N = 4000
+
+
+def draws(logits_V, **options) -> np.ndarray:
+    logits_NV = jnp.broadcast_to(jnp.asarray(logits_V, jnp.float32), (N, len(logits_V)))
+    options = {"temperature": 1.0, "top_k": None, "top_p": None, **options}
+    return np.asarray(sample_logits(logits_NV, jax.random.key(7), **options))
+
+
+def test_temperature_zero_and_top_k_one_are_greedy():
+    logits = jax.random.normal(jax.random.key(1), (16, 64))
+    argmax = np.asarray(jnp.argmax(logits, -1))
+    greedy = sample_logits(logits, jax.random.key(2), temperature=0.0, top_k=None, top_p=None)
+    top1 = sample_logits(logits, jax.random.key(2), temperature=1.0, top_k=1, top_p=None)
+    np.testing.assert_array_equal(greedy, argmax)
+    np.testing.assert_array_equal(top1, argmax)
+
+
+def test_top_k_draws_only_and_all_of_the_k_largest():
+    logits = np.random.default_rng(0).normal(size=64)
+    top5 = set(np.argsort(logits)[-5:].tolist())
+    assert set(draws(logits, top_k=5).tolist()) == top5
+    assert len(set(draws(logits).tolist())) > 5  # without top_k, more tokens are drawn
+
+
+def test_top_p_keeps_exactly_the_nucleus():
+    logits = np.log([0.5, 0.3, 0.15, 0.05])
+    nucleus = draws(logits, top_p=0.8)  # 0.5 + 0.3 reaches 0.8: tokens 0 and 1 only
+    assert set(nucleus.tolist()) == {0, 1}
+    assert abs((nucleus == 0).mean() - 0.5 / 0.8) < 0.04  # renormalised within the nucleus
+    assert set(draws(logits, top_p=0.81).tolist()) == {0, 1, 2}
+    assert set(draws(logits, top_p=0.1).tolist()) == {0}  # the most likely token always stays
+    assert set(draws(logits, top_p=1.0).tolist()) == {0, 1, 2, 3}
+
+
+def test_temperature_sharpens_the_distribution():
+    logits = np.log([0.5, 0.3, 0.15, 0.05])
+    expected = 0.5**2 / np.sum(np.array([0.5, 0.3, 0.15, 0.05]) ** 2)  # p^(1/T), T = 0.5
+    assert abs((draws(logits, temperature=0.5) == 0).mean() - expected) < 0.04
+    assert abs((draws(logits) == 0).mean() - 0.5) < 0.04

@@ -1,0 +1,65 @@
+"""The pure train and eval steps: accumulation, the decay mask on the real tree, MTP targets."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxgpt.config import RunConfig, load_config
+from jaxgpt.model import init_params
+from jaxgpt.optim import decay_mask
+from jaxgpt.step import depth_losses, init_state, train_step, window_length
+
+TINY = ["model.vocab_size=64", "model.context_length=8", "model.d_model=32", "model.n_heads=4",
+        "train.steps=10", "train.warmup_steps=2"]
+
+
+def batch_for(cfg: RunConfig, size: int) -> jax.Array:
+    return jax.random.randint(jax.random.key(5), (size, window_length(cfg.model)), 0, cfg.model.vocab_size)
+
+
+def test_gradient_accumulation_equals_one_large_batch():
+    whole = load_config(None, [*TINY, "train.batch_size=8", "train.grad_accum=1", "model.dropout=0.0"])
+    accumulated = dataclasses.replace(whole, train=dataclasses.replace(whole.train, grad_accum=4))
+    batch = batch_for(whole, 8)
+    step = jax.jit(train_step, static_argnums=0)
+    a, metrics_a = step(whole, init_state(whole, jax.random.key(0)), batch)
+    b, metrics_b = step(accumulated, init_state(accumulated, jax.random.key(0)), batch)
+    np.testing.assert_allclose(metrics_a["loss"], metrics_b["loss"], rtol=1e-6)
+    np.testing.assert_allclose(metrics_a["grad_norm"], metrics_b["grad_norm"], rtol=1e-5)
+    jax.tree_util.tree_map(lambda x, y: np.testing.assert_allclose(x, y, atol=1e-6), a.params, b.params)
+    assert int(a.step) == int(b.step) == 1
+    # and the update did something
+    fresh = init_state(whole, jax.random.key(0)).params
+    assert np.abs(np.asarray(a.params["blocks"]["attention"]["qkv"]["kernel"]
+                             - fresh["blocks"]["attention"]["qkv"]["kernel"])).max() > 1e-4
+
+
+def test_decay_mask_on_the_real_parameter_tree():
+    cfg = load_config(None, [*TINY, "model.tie_embeddings=false", "model.bias=true", "model.mtp_depth=1"]).model
+    params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
+    mask = decay_mask(params)
+    flat = jax.tree_util.tree_flatten_with_path(mask)[0]
+    decayed = {jax.tree_util.keystr(path) for path, on in flat if on}
+    kept = {jax.tree_util.keystr(path) for path, on in flat if not on}
+    assert all(name.endswith("['kernel']") for name in decayed) and decayed
+    assert all(name.endswith(("['scale']", "['bias']", "['embedding']")) for name in kept)
+    assert "['token_embedding']['embedding']" in kept and "['final_norm']['scale']" in kept
+    assert "['blocks']['attention']['qkv']['bias']" in kept
+    assert "['mtp_0']['feed_forward']['up']['kernel']" in decayed
+    assert "['lm_head']['kernel']" in decayed  # an untied head is a linear layer like the others
+
+
+def test_depth_losses_use_shifted_targets():
+    cfg = load_config(None, [*TINY, "model.mtp_depth=2"])
+    params = init_params(cfg.model, jax.random.key(0))
+    window = batch_for(cfg, 2)
+    depths = depth_losses(params, cfg.model, window)
+    assert depths.shape == (3,)
+    from jaxgpt.model import forward
+    import optax
+    T = cfg.model.context_length
+    logits = forward(params, cfg.model, window[:, :T], all_depths=True)
+    second = optax.softmax_cross_entropy_with_integer_labels(logits[2], window[:, 3:3 + T]).mean()
+    np.testing.assert_allclose(depths[2], second, rtol=1e-6)
