@@ -1,17 +1,23 @@
 """Checkpoints over Orbax's CheckpointManager: the train state plus a JSON manifest.
 
-A run directory holds `config.toml` (resolved), `tokenizer.json` and `checkpoints/<step>/`, each
-checkpoint with the state (params, optimiser state, step) and a manifest of the fingerprints of the
-config, tokenizer and token files it was trained with. Orbax writes each checkpoint to a temporary
-folder and renames it when complete, so a half-written one is never listed.
+A run directory holds `config.toml` (resolved), `tokenizer.json` and `checkpoints/<step>/`. Each
+checkpoint holds the state (params, optimiser state, step) and a manifest: the fingerprints of the
+config, tokenizer and token files it was trained with, the resolved config itself (to name what
+differs on a mismatch), the data position, and a checksum of the state computed on the device
+before the write. Orbax writes each checkpoint into a temporary folder and renames it when
+complete, so a half-written one is never listed; the checksum catches files damaged afterwards.
+A damaged checkpoint is moved aside to `checkpoints/damaged-<step>` and the previous one is used.
 """
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from jaxgpt.config import ModelConfig, RunConfig, load_config
@@ -19,33 +25,84 @@ from jaxgpt.model import Params
 from jaxgpt.step import TrainState, init_state
 
 
+@jax.jit
+def tree_checksum(tree: Any) -> jax.Array:
+    """A uint32 checksum of every bit of every leaf; exact on any sharding (modular sums commute)."""
+    total = jnp.uint32(0)
+    for i, leaf in enumerate(jax.tree_util.tree_leaves(tree)):
+        leaf = jnp.asarray(leaf)
+        unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[leaf.dtype.itemsize]
+        bits = jax.lax.bitcast_convert_type(leaf, unsigned).astype(jnp.uint32).reshape(-1)
+        weights = jnp.arange(bits.size, dtype=jnp.uint32) * jnp.uint32(2654435761) + jnp.uint32(2 * i + 1)
+        total = total * jnp.uint32(1000003) + jnp.sum(bits * weights, dtype=jnp.uint32)
+    return total
+
+
+def on_one_device(abstract: Any) -> Any:
+    """Abstract arrays placed on this process's first device: a restore target that ignores the
+    devices named in the checkpoint (it may come from a run on other or more devices)."""
+    one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    return jax.tree_util.tree_map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=one),
+                                  abstract)
+
+
 class Checkpointer:
     def __init__(self, run_dir: Path, keep: int) -> None:
-        options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
-                                               enable_async_checkpointing=True)
         self.directory = Path(run_dir).absolute() / "checkpoints"
-        self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "manifest"))
+        self.keep = keep
+        self.manager = self._open()
+
+    def _open(self) -> ocp.CheckpointManager:
+        options = ocp.CheckpointManagerOptions(max_to_keep=self.keep, create=True, cleanup_tmp_directories=True,
+                                               enable_async_checkpointing=True)
+        return ocp.CheckpointManager(self.directory, options=options, item_names=("state", "manifest"))
 
     def save(self, state: TrainState, manifest: dict[str, Any]) -> None:
         """Start writing a checkpoint of `state`; training goes on while Orbax writes it."""
         step = int(state.step)
+        manifest = {**manifest, "step": step, "data_step": step, "state_checksum": int(tree_checksum(state))}
         self.manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state), manifest=ocp.args.JsonSave({**manifest, "step": step})
+            state=ocp.args.StandardSave(state), manifest=ocp.args.JsonSave(manifest)
         ), force=True)
+
+    def steps(self) -> list[int]:
+        return sorted(self.manager.all_steps())
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
-    def restore(self, like: TrainState, step: int | None = None) -> tuple[TrainState, dict[str, Any]]:
-        """Restore the state at `step` (default: newest) into the structure and shardings of `like`."""
-        step = self.latest_step() if step is None else step
-        if step is None:
-            raise FileNotFoundError(f"no checkpoint in {self.directory}")
+    def restore(self, like: TrainState, step: int) -> tuple[TrainState, dict[str, Any]]:
+        """Restore `step` into the structure and shardings of `like`; ValueError if damaged."""
         abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, like)
-        restored = self.manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract), manifest=ocp.args.JsonRestore()
-        ))
-        return restored["state"], restored["manifest"]
+        try:
+            restored = self.manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract), manifest=ocp.args.JsonRestore()
+            ))
+        except Exception as err:  # Orbax raises many types for missing or unreadable files
+            raise ValueError(f"unreadable ({type(err).__name__}: {str(err).splitlines()[0][:200]})") from None
+        state, manifest = restored["state"], restored["manifest"]
+        if not isinstance(manifest, dict) or manifest.get("step") != step:
+            raise ValueError("its manifest is missing or names another step")
+        if int(tree_checksum(state)) != manifest.get("state_checksum"):
+            raise ValueError("its contents do not match the checksum written with it")
+        return state, manifest
+
+    def restore_newest_good(
+        self, like: TrainState, warn: Callable[[str], None]
+    ) -> tuple[TrainState, dict[str, Any]] | None:
+        """The newest checkpoint that restores and verifies; damaged newer ones are moved aside."""
+        self.manager.wait_until_finished()
+        for step in reversed(self.steps()):
+            try:
+                return self.restore(like, step)
+            except ValueError as err:
+                aside = self.directory / f"damaged-{step}"
+                warn(f"checkpoint {self.directory / str(step)} is damaged: {err}; "
+                     f"moved to {aside.name}, falling back to the previous one")
+                (self.directory / str(step)).rename(aside)
+                self.manager.close()
+                self.manager = self._open()
+        return None
 
     def wait(self) -> None:
         self.manager.wait_until_finished()
@@ -62,13 +119,19 @@ def load_run_config(run_dir: str | Path) -> RunConfig:
     return load_config(path)
 
 
-def load_run(run_dir: str | Path) -> tuple[ModelConfig, Params]:
-    """The model config and params of the newest checkpoint in a run directory."""
+def _to_stderr(message: str) -> None:
+    print(message, file=sys.stderr)
+
+
+def load_run(run_dir: str | Path, warn: Callable[[str], None] = _to_stderr) -> tuple[ModelConfig, Params]:
+    """The model config and params of the newest good checkpoint in a run directory."""
     cfg = load_run_config(run_dir)
-    like = jax.eval_shape(lambda: init_state(cfg, jax.random.key(0)))
+    like = on_one_device(jax.eval_shape(lambda: init_state(cfg, jax.random.key(0))))
     checkpointer = Checkpointer(Path(run_dir), keep=cfg.train.keep_checkpoints)
     try:
-        state, _ = checkpointer.restore(like)
+        found = checkpointer.restore_newest_good(like, warn)
     finally:
         checkpointer.close()
-    return cfg.model, state.params
+    if found is None:
+        raise FileNotFoundError(f"no good checkpoint in {Path(run_dir) / 'checkpoints'}")
+    return cfg.model, found[0].params

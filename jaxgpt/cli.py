@@ -23,6 +23,7 @@ def cmd_dry_run(args: argparse.Namespace) -> int:
     import jax
     import jax.numpy as jnp
 
+    from jaxgpt import parallel
     from jaxgpt.model import count_params, forward, init_params
 
     cfg = load_config(args.config, args.overrides)
@@ -31,15 +32,21 @@ def cmd_dry_run(args: argparse.Namespace) -> int:
     params = jax.eval_shape(lambda: init_params(model, jax.random.key(0)))
     tokens = jax.ShapeDtypeStruct((args.batch_size, seq_len), jnp.int32)
     logits = jax.eval_shape(lambda p, t: forward(p, model, t), params, tokens)
-    print(json.dumps({
-        "config_sha256": cfg.fingerprint(),
-        "parameters": count_params(params),
-        "logits_shape": list(logits.shape),
-    }))
+    record = {"config_sha256": cfg.fingerprint(), "parameters": count_params(params),
+              "logits_shape": list(logits.shape)}
+    mode = parallel.resolve_mode(cfg.train, jax.device_count())
+    mesh = parallel.make_mesh(cfg.train) if mode == "sharded" else None
+    record.update({"mode": mode, "devices": jax.device_count(), **parallel.planned_memory(cfg, mesh)})
+    if args.compile:
+        record["compiled"] = parallel.aot_compile(cfg, mesh or parallel.make_mesh(cfg.train, jax.devices()[:1]))
+    print(json.dumps(record))
     return 0
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from jaxgpt.parallel import maybe_initialize_distributed
+
+    maybe_initialize_distributed()  # before anything else touches the devices
     from jaxgpt.train import train
 
     overrides = list(args.overrides)
@@ -48,8 +55,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.steps is not None:
         overrides.append(f"train.steps={args.steps}")
     cfg = load_config(args.config, overrides)
-    summary = train(cfg, out_dir=args.out, resume=args.resume, progress=not args.no_progress)
+    summary = train(cfg, out_dir=args.out, resume=args.resume, force=args.force, progress=not args.no_progress)
     print(json.dumps(summary))
+    if "signal" in summary:
+        print(f"stopped at step {summary['step']} with a checkpoint; continue with: "
+              f"jaxgpt train --out {args.out} --resume (and the same --config/--set/--data)", file=sys.stderr)
+        return 128 + summary["signal"]
     return 0
 
 
@@ -59,16 +70,19 @@ def cmd_eval(args: argparse.Namespace) -> int:
     import jax
 
     from jaxgpt.checkpoint import load_run, load_run_config
-    from jaxgpt.step import compile_steps
+    from jaxgpt.runtime import make_runtime
+    from jaxgpt.step import TrainState
     from jaxgpt.train import evaluate, prepare_data
 
     cfg = load_run_config(args.run)
     if args.data is not None:
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, source=args.data))
+    if args.batches is not None:
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, eval_batches=args.batches))
     data = prepare_data(cfg, Path(args.run))
     _, params = load_run(args.run)
-    _, eval_fn = compile_steps(cfg)
-    result = evaluate(eval_fn, params, cfg, data)
+    single = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, parallel="single", fsdp=1))
+    result = evaluate(make_runtime(single), TrainState(step=None, params=params, opt_state=None), single, data)
     print(json.dumps({"loss": result["val_loss"], "perplexity": result["val_perplexity"],
                       "bits_per_byte": result["val_bits_per_byte"], "batches": cfg.train.eval_batches}))
     return 0
@@ -87,7 +101,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     emitted: list[int] = []
     printed = ""
     for tokens in generate_tokens(params, model, [prompt], args.max_new_tokens, temperature=args.temperature,
-                                  top_k=top_k, top_p=args.top_p, seed=args.seed):
+                                  top_k=top_k, top_p=args.top_p, seed=args.seed,
+                                  vocab_limit=tokenizer.vocab_size):
         if tokens[0] < 0:
             break
         emitted.append(int(tokens[0]))
@@ -108,6 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(dry)
     dry.add_argument("--batch-size", type=int, default=1)
     dry.add_argument("--seq-len", type=int, default=None, help="default: model.context_length")
+    dry.add_argument("--compile", action="store_true",
+                     help="also compile the train step ahead of time for this mesh and report its memory")
     dry.set_defaults(func=cmd_dry_run)
 
     tr = sub.add_parser("train", help="train a model into a run directory")
@@ -116,12 +133,15 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--steps", type=int, help="train.steps")
     tr.add_argument("--out", default="runs/default", help="the run directory (default: runs/default)")
     tr.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
+    tr.add_argument("--force", action="store_true",
+                    help="with --resume: accept changed [train] and [data] keys (never the model or tokenizer)")
     tr.add_argument("--no-progress", action="store_true", help="no progress bar")
     tr.set_defaults(func=cmd_train)
 
     ev = sub.add_parser("eval", help="validation loss, perplexity and bits per byte of a run")
     ev.add_argument("--run", required=True, help="a run directory")
     ev.add_argument("--data", help="evaluate on another data source with the run's tokenizer")
+    ev.add_argument("--batches", type=int, help="number of val batches (default: train.eval_batches)")
     ev.set_defaults(func=cmd_eval)
 
     gen = sub.add_parser("generate", help="sample text from a run, streamed as it is produced")

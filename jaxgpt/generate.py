@@ -54,17 +54,21 @@ def _check_options(temperature: float, top_k: int | None, top_p: float | None) -
 
 
 def sample_logits(
-    logits_BV: jax.Array, rng: jax.Array, *, temperature: float, top_k: int | None, top_p: float | None
+    logits_BV: jax.Array, rng: jax.Array, *, temperature: float, top_k: int | None, top_p: float | None,
+    vocab_limit: int | None = None,
 ) -> jax.Array:
     """One token per row [B] int32. Pure; jit it with the three options static.
 
     temperature 0 is greedy (argmax, `rng` unused). Otherwise the logits are divided by the
     temperature, cut to the `top_k` largest (ties with the k-th are kept), then to the smallest
     set of most likely tokens whose probability reaches `top_p` (the most likely token always
-    stays), and one token is drawn with `jax.random.categorical`.
+    stays), and one token is drawn with `jax.random.categorical`. `vocab_limit` excludes the ids
+    from it on (a model whose vocab_size exceeds its tokenizer's has rows no text maps to).
     """
     _check_options(temperature, top_k, top_p)
     logits_BV = jnp.asarray(logits_BV, jnp.float32)
+    if vocab_limit is not None and vocab_limit < logits_BV.shape[-1]:
+        logits_BV = jnp.where(jnp.arange(logits_BV.shape[-1]) < vocab_limit, logits_BV, -jnp.inf)
     if temperature == 0:
         return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
     logits_BV = logits_BV / temperature
@@ -84,13 +88,13 @@ def sample_logits(
     return jax.random.categorical(rng, logits_BV, axis=-1).astype(jnp.int32)
 
 
-_STATIC = ("cfg", "temperature", "top_k", "top_p")
+_STATIC = ("cfg", "temperature", "top_k", "top_p", "vocab_limit")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def _prefill(
     params: Params, tokens_BP: jax.Array, lengths_B: jax.Array, key: jax.Array, step: jax.Array,
-    *, cfg: ModelConfig, temperature: float, top_k: int | None, top_p: float | None,
+    *, cfg: ModelConfig, temperature: float, top_k: int | None, top_p: float | None, vocab_limit: int | None,
 ) -> tuple[jax.Array, Cache]:
     """Fresh cache from right-padded rows; sample each row's next token at its own length."""
     B, _ = tokens_BP.shape
@@ -99,19 +103,19 @@ def _prefill(
     cache["index"] = lengths_B  # each row's later writes start at its true end, over the padding
     last_BV = jnp.take_along_axis(logits_BPV, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
     tokens_B = sample_logits(last_BV, jax.random.fold_in(key, step),
-                             temperature=temperature, top_k=top_k, top_p=top_p)
+                             temperature=temperature, top_k=top_k, top_p=top_p, vocab_limit=vocab_limit)
     return tokens_B, cache
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("cache",))
 def _decode(
     params: Params, cache: Cache, tokens_B: jax.Array, key: jax.Array, step: jax.Array,
-    *, cfg: ModelConfig, temperature: float, top_k: int | None, top_p: float | None,
+    *, cfg: ModelConfig, temperature: float, top_k: int | None, top_p: float | None, vocab_limit: int | None,
 ) -> tuple[jax.Array, Cache]:
     """Feed one token per row and sample the next: the step compiled once per (cfg, B, options)."""
     logits_B1V, cache = forward_cached(params, cfg, tokens_B[:, None], cache)
     tokens_B = sample_logits(logits_B1V[:, 0], jax.random.fold_in(key, step),
-                             temperature=temperature, top_k=top_k, top_p=top_p)
+                             temperature=temperature, top_k=top_k, top_p=top_p, vocab_limit=vocab_limit)
     return tokens_B, cache
 
 
@@ -172,6 +176,7 @@ def generate_tokens(
     top_p: float | None = None,
     seed: int = 0,
     stop_token: int | None = None,
+    vocab_limit: int | None = None,
 ) -> Iterator[np.ndarray]:
     """Yield, per decoding step, the new token of each sequence as a numpy int32 array [B].
 
@@ -185,8 +190,10 @@ def generate_tokens(
         raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
     if stop_token is not None and not 0 <= stop_token < cfg.vocab_size:
         raise ValueError(f"stop_token {stop_token} lies outside [0, {cfg.vocab_size}) and can never be produced")
+    if vocab_limit is not None and not 1 <= vocab_limit <= cfg.vocab_size:
+        raise ValueError(f"vocab_limit must be in [1, {cfg.vocab_size}], got {vocab_limit!r}")
     options = dict(cfg=cfg, temperature=float(temperature), top_k=top_k,
-                   top_p=None if top_p is None else float(top_p))
+                   top_p=None if top_p is None else float(top_p), vocab_limit=vocab_limit)
     return _decode_loop(params, rows, max_new_tokens, jax.random.key(seed), stop_token, options)
 
 

@@ -27,6 +27,34 @@ def dense_init(cfg: ModelConfig) -> nn.initializers.Initializer:
     return nn.initializers.normal(stddev=cfg.init_std)
 
 
+def flat_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
+                     precision: Any = None, preferred_element_type: Any = None, **kwargs: Any) -> jax.Array:
+    """`lax.dot_general` that runs `[..., C] x [C, F]` as one 2-D matmul `[N, C] x [C, F]`.
+
+    Same values; a different backward graph. Autodiff of the 3-D form contracts the kernel
+    gradient over two axes (batch and time), which XLA CPU lowers by transposing the [B, T, F]
+    cotangent and fusing that transpose into the elementwise backward (GELU, residual adds): a
+    strided loop several times slower than the matmul. With the batch axes flattened first, the
+    kernel gradient is a plain [N, C]^T x [N, F] matmul and nothing is transposed. On GPU/TPU the
+    reshapes are free (leading axes merge).
+    """
+    (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
+    if (lhs.ndim > 2 and rhs.ndim == 2 and not lhs_batch and not rhs_batch
+            and tuple(lhs_contract) == (lhs.ndim - 1,) and tuple(rhs_contract) == (0,)):
+        out = jax.lax.dot_general(lhs.reshape(-1, lhs.shape[-1]), rhs, (((1,), (0,)), ((), ())),
+                                  precision=precision, preferred_element_type=preferred_element_type,
+                                  **kwargs)
+        return out.reshape(*lhs.shape[:-1], rhs.shape[-1])
+    return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
+                               preferred_element_type=preferred_element_type, **kwargs)
+
+
+def dense(cfg: ModelConfig, features: int, name: str) -> nn.Dense:
+    """`nn.Dense` (params `kernel` [in, features], `bias`) computed as one flat 2-D matmul."""
+    return nn.Dense(features, use_bias=cfg.bias, dtype=compute_dtype(cfg), kernel_init=dense_init(cfg),
+                    dot_general=flat_dot_general, name=name)
+
+
 class LayerNorm(nn.Module):
     """GPT-2's LayerNorm: biased variance over the features of one vector, learned gain and bias."""
 
@@ -104,8 +132,7 @@ class CausalSelfAttention(nn.Module):
         B, T, _ = x_BTC.shape
         H, K, D = cfg.n_heads, cfg.kv_heads, cfg.head_size
         dtype = compute_dtype(cfg)
-        qkv = nn.Dense((H + 2 * K) * D, use_bias=cfg.bias, dtype=dtype,
-                       kernel_init=dense_init(cfg), name="qkv")(x_BTC)
+        qkv = dense(cfg, (H + 2 * K) * D, "qkv")(x_BTC)
         q_BTHD = qkv[..., : H * D].reshape(B, T, H, D)
         k_BTKD = qkv[..., H * D : (H + K) * D].reshape(B, T, K, D)
         v_BTKD = qkv[..., (H + K) * D :].reshape(B, T, K, D)
@@ -121,8 +148,7 @@ class CausalSelfAttention(nn.Module):
             mask = causal_mask(q_pos, jnp.broadcast_to(jnp.arange(S), (B, S)))
             k_BSKD, v_BSKD = (t.astype(dtype) for t in kv)
             out_BTHD = jax.nn.dot_product_attention(q_BTHD, k_BSKD, v_BSKD, mask=mask)
-        out = nn.Dense(cfg.d_model, use_bias=cfg.bias, dtype=dtype,
-                       kernel_init=dense_init(cfg), name="out")(out_BTHD.reshape(B, T, H * D))
+        out = dense(cfg, cfg.d_model, "out")(out_BTHD.reshape(B, T, H * D))
         return nn.Dropout(cfg.dropout)(out, deterministic=self.deterministic), kv
 
 
@@ -135,6 +161,35 @@ def write_kv(kv: KV, k_BTKD: jax.Array, v_BTKD: jax.Array, index_B: jax.Array) -
     return jax.vmap(write)(kv[0], k_BTKD, index_B), jax.vmap(write)(kv[1], v_BTKD, index_B)
 
 
+_SQRT_2_OVER_PI = 0.7978845608028654
+
+
+@jax.custom_vjp
+def gelu_tanh(x: jax.Array) -> jax.Array:
+    """GPT-2's tanh GELU, equal to `jax.nn.gelu(x, approximate=True)` in value and gradient.
+
+    Its backward pass keeps only the input and recomputes the tanh: autodiff of the formula
+    keeps four [B, T, F] intermediates per layer, and XLA CPU fuses all of them (dynamic-sliced
+    from the scanned layer stack) into one slow, transposing loop.
+    """
+    return jax.nn.gelu(x, approximate=True)
+
+
+def _gelu_tanh_fwd(x):
+    return gelu_tanh(x), x
+
+
+def _gelu_tanh_bwd(x, g):
+    x = x.astype(jnp.float32)  # the derivative in float32, whatever the compute dtype
+    x2 = x * x
+    t = jnp.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * (x2 * x)))
+    dy_dx = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * _SQRT_2_OVER_PI * (1.0 + 3 * 0.044715 * x2)
+    return ((g.astype(jnp.float32) * dy_dx).astype(g.dtype),)
+
+
+gelu_tanh.defvjp(_gelu_tanh_fwd, _gelu_tanh_bwd)
+
+
 class FeedForward(nn.Module):
     """Widen to hidden_size, GELU (tanh, as GPT-2) or SwiGLU, project back."""
 
@@ -144,18 +199,12 @@ class FeedForward(nn.Module):
     @nn.compact
     def __call__(self, x_BTC: jax.Array) -> jax.Array:
         cfg = self.cfg
-        dtype = compute_dtype(cfg)
-
-        def dense(features: int, name: str) -> nn.Dense:
-            return nn.Dense(features, use_bias=cfg.bias, dtype=dtype,
-                            kernel_init=dense_init(cfg), name=name)
-
-        up_BTF = dense(cfg.hidden_size, "up")(x_BTC)
+        up_BTF = dense(cfg, cfg.hidden_size, "up")(x_BTC)
         if cfg.feed_forward == "swiglu":
-            h_BTF = nn.silu(dense(cfg.hidden_size, "gate")(x_BTC)) * up_BTF
+            h_BTF = nn.silu(dense(cfg, cfg.hidden_size, "gate")(x_BTC)) * up_BTF
         else:
-            h_BTF = nn.gelu(up_BTF, approximate=True)
-        out = dense(cfg.d_model, "down")(h_BTF)
+            h_BTF = gelu_tanh(up_BTF)
+        out = dense(cfg, cfg.d_model, "down")(h_BTF)
         return nn.Dropout(cfg.dropout)(out, deterministic=self.deterministic)
 
 

@@ -116,6 +116,21 @@ def read_metrics(path: Path | str) -> list[dict[str, Any]]:
     return records
 
 
+def truncate_metrics(path: Path, after_step: int) -> None:
+    """Drop the records of steps after `after_step` (written by a run that is resumed from there),
+    so a resumed run's metrics read as if it had never stopped."""
+    path = Path(path)
+    if not path.is_file():
+        return
+    records = read_metrics(path)
+    kept = [r for r in records if r.get("step", 0) <= after_step]
+    if len(kept) == len(records) and path.read_bytes().endswith(b"\n"):
+        return
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
+    os.replace(tmp, path)
+
+
 def plot_losses(metrics_path: Path, out_png: Path) -> None:
     """Train loss and val loss against step, written atomically to out_png."""
     # Figure without pyplot renders with Agg and touches no global backend or display.

@@ -31,6 +31,13 @@ Params = dict[str, Any]
 Cache = dict[str, jax.Array]  # {"k": [L, B, S, K, D], "v": [L, B, S, K, D], "index": [B]}
 
 
+def _flat_einsum(spec: str, h_BTC: jax.Array, kernel: jax.Array) -> jax.Array:
+    """The head's matmul on [B * T, C] (float32 out): see `jaxgpt.layers.flat_dot_general`."""
+    B, T, C = h_BTC.shape
+    logits = jnp.einsum(spec, h_BTC.reshape(B * T, C), kernel, preferred_element_type=jnp.float32)
+    return logits.reshape(B, T, -1)
+
+
 class MTPAdapter(nn.Module):
     """Maps the final hidden state to one for the token `depth` steps further ahead.
 
@@ -57,8 +64,7 @@ class UntiedHead(nn.Module):
         cfg = self.cfg
         kernel_CV = self.param("kernel", dense_init(cfg), (cfg.d_model, cfg.vocab_size), jnp.float32)
         dtype = compute_dtype(cfg)
-        return jnp.einsum("btc,cv->btv", h_BTC.astype(dtype), kernel_CV.astype(dtype),
-                          preferred_element_type=jnp.float32)
+        return _flat_einsum("nc,cv->nv", h_BTC.astype(dtype), kernel_CV.astype(dtype))
 
 
 class Decoder(nn.Module):
@@ -96,8 +102,7 @@ class Decoder(nn.Module):
         hidden_BTC = make_norm(cfg, "final_norm")(x_BTC)
         if cfg.tie_embeddings:
             head_VC = token_embedding.embedding
-            head = lambda h: jnp.einsum("btc,vc->btv", h.astype(dtype), head_VC.astype(dtype),
-                                        preferred_element_type=jnp.float32)
+            head = lambda h: _flat_einsum("nc,vc->nv", h.astype(dtype), head_VC.astype(dtype))
         else:
             head = UntiedHead(cfg, name="lm_head")
         logits_BTV = head(hidden_BTC)
@@ -115,7 +120,7 @@ class Decoder(nn.Module):
 
     def _blocks(self, x_BTC, rope, kv, index):
         cfg = self.cfg
-        block_cls = nn.remat(TransformerBlock, prevent_cse=not cfg.scan_layers) if cfg.remat else TransformerBlock
+        block_cls = _block_class(cfg)
         if cfg.scan_layers:
             stack = nn.scan(
                 block_cls,
@@ -133,6 +138,24 @@ class Decoder(nn.Module):
                 new_k.append(layer_kv[0])
                 new_v.append(layer_kv[1])
         return x_BTC, (None if kv is None else (jnp.stack(new_k), jnp.stack(new_v)))
+
+
+def _block_class(cfg: ModelConfig) -> type[nn.Module]:
+    """The block, wrapped in `nn.remat` when its backward pass should recompute.
+
+    `model.remat` recomputes the whole block. Without it, a scanned stack on CPU still saves only
+    the matmul outputs and recomputes the cheap elementwise work (norms, GELU, softmax) in the
+    backward pass: the same matmuls, but about half the per-layer residuals, which the scan
+    stacks into buffers that XLA CPU zero-fills, copies and page-faults afresh every step (about
+    a fifth of the step time; scripts/perf_notes.md). GPU and TPU keep XLA's own choices (a fused
+    attention kernel is no dot and would be recomputed).
+    """
+    if cfg.remat:
+        return nn.remat(TransformerBlock, prevent_cse=not cfg.scan_layers)
+    if cfg.scan_layers and jax.default_backend() == "cpu":
+        return nn.remat(TransformerBlock, prevent_cse=False,
+                        policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+    return TransformerBlock
 
 
 def _is_concrete(x: Any) -> bool:

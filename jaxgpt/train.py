@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,14 +27,18 @@ from jaxgpt.checkpoint import Checkpointer, load_run_config
 from jaxgpt.config import RunConfig
 from jaxgpt.data import TokenSplits, cached_tokenizer, get_batch, load_corpus, prepare_tokens
 from jaxgpt.generate import generate
-from jaxgpt.metrics import MetricsWriter, Throughput, plot_losses
+from jaxgpt.metrics import MetricsWriter, Throughput, plot_losses, truncate_metrics
 from jaxgpt.model import count_params
-from jaxgpt.step import TrainState, compile_steps, init_state, window_length
+from jaxgpt.runtime import Runtime, make_runtime
+from jaxgpt.step import TrainState, window_length
 from jaxgpt.tokenizer import Tokenizer
 
 TRAIN_STREAM, VAL_STREAM = 0, 1  # independent batch streams from one seed
-RUN_LENGTH_KEYS = ("train.steps", "train.eval_every", "train.checkpoint_every", "train.log_every",
-                   "train.keep_checkpoints", "train.sample_tokens")
+# Keys a resumed run may change freely: how long it runs, how often it reports, and how it is laid
+# out on devices (the numbers do not depend on it beyond float rounding).
+RUN_LENGTH_KEYS = ("train.steps", "train.eval_every", "train.eval_batches", "train.checkpoint_every",
+                   "train.log_every", "train.keep_checkpoints", "train.sample_tokens", "train.parallel",
+                   "train.fsdp")
 
 
 class TrainingDiverged(ValueError):
@@ -71,21 +77,49 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def manifest(cfg: RunConfig, data: RunData) -> dict[str, str]:
-    return {"config_sha256": cfg.fingerprint(exclude=RUN_LENGTH_KEYS),
+def manifest(cfg: RunConfig, data: RunData) -> dict[str, Any]:
+    return {"config_sha256": cfg.fingerprint(exclude=RUN_LENGTH_KEYS), "config": cfg.to_dict(),
             "tokenizer_sha256": data.tokenizer.fingerprint, "data_sha256": data.tokens.fingerprint}
 
 
-def check_resumable(expected: dict[str, str], found: dict[str, Any], run_dir: Path) -> None:
-    differs = [key.removesuffix("_sha256") for key in expected if found.get(key) != expected[key]]
-    if differs:
-        raise ValueError(f"cannot resume {run_dir}: the {', '.join(differs)} differ from the checkpoint's")
+FORCEABLE_SECTIONS = ("train", "data")  # what --force may change on resume; the model never
 
 
-def evaluate(eval_fn, params, cfg: RunConfig, data: RunData) -> dict[str, float]:
+def check_config_change(saved: RunConfig, new: RunConfig, run_dir: Path, force: bool) -> None:
+    """Refuse to resume under a different config, naming each key that differs."""
+    old_values, new_values = saved.to_dict(), new.to_dict()
+    changed = [f"{section}.{key}" for section in new_values for key in new_values[section]
+               if old_values[section][key] != new_values[section][key]
+               and f"{section}.{key}" not in RUN_LENGTH_KEYS]
+    if force:
+        changed = [name for name in changed if name.split(".")[0] not in FORCEABLE_SECTIONS
+                   or name == "data.tokenizer"]
+    if changed:
+        detail = "; ".join(f"{name} was {_lookup(old_values, name)!r}, now {_lookup(new_values, name)!r}"
+                           for name in changed)
+        hint = "" if force or any(n.startswith("model.") or n == "data.tokenizer" for n in changed) else \
+            " (--force accepts changes to [train] and [data] keys)"
+        raise ValueError(f"cannot resume {run_dir}: {detail}{hint}")
+
+
+def _lookup(values: dict[str, dict[str, Any]], dotted: str) -> Any:
+    section, key = dotted.split(".", 1)
+    return values[section][key]
+
+
+def check_fingerprints(expected: dict[str, Any], found: dict[str, Any], run_dir: Path, force: bool) -> None:
+    if found.get("tokenizer_sha256") != expected["tokenizer_sha256"]:
+        raise ValueError(f"cannot resume {run_dir}: its tokenizer.json differs from the checkpoint's tokenizer")
+    if found.get("data_sha256") != expected["data_sha256"] and not force:
+        raise ValueError(f"cannot resume {run_dir}: the corpus differs from the one the checkpoint was "
+                         "trained on (--force continues on the new corpus)")
+
+
+def evaluate(runtime: Runtime, state: TrainState, cfg: RunConfig, data: RunData) -> dict[str, float]:
     window = window_length(cfg.model)
-    losses = [eval_fn(params, get_batch(data.tokens.val, seed=cfg.train.seed, step=i, stream=VAL_STREAM,
-                                        batch_size=cfg.train.batch_size, window=window, split="val"))
+    losses = [runtime.eval_loss(state, get_batch(data.tokens.val, seed=cfg.train.seed, step=i, stream=VAL_STREAM,
+                                        batch_size=cfg.train.batch_size, window=window, split="val",
+                                                    **_process_slice()))
               for i in range(cfg.train.eval_batches)]
     loss = float(np.mean(jax.device_get(losses)))
     return {"val_loss": loss, "val_perplexity": math.exp(min(loss, 700.0)),
@@ -94,7 +128,8 @@ def evaluate(eval_fn, params, cfg: RunConfig, data: RunData) -> dict[str, float]
 
 def sample_text(params, cfg: RunConfig, data: RunData, seed: int) -> str:
     prompt = list(data.tokenizer.encode("\n")) or [0]
-    new = generate(params, cfg.model, [prompt], cfg.train.sample_tokens, temperature=0.8, top_k=40, seed=seed)
+    new = generate(params, cfg.model, [prompt], cfg.train.sample_tokens, temperature=0.8, top_k=40, seed=seed,
+                   vocab_limit=data.tokenizer.vocab_size)
     return data.tokenizer.decode(new[0])
 
 
@@ -106,84 +141,148 @@ def _check_finite(metrics: dict[str, Any], step: int, run_dir: Path, last_saved:
     return loss
 
 
-def train(cfg: RunConfig, out_dir: str | Path = "runs/default", *, resume: bool = False,
+class StopSignals:
+    """The first SIGINT or SIGTERM asks the loop to stop after the current step and checkpoint;
+    a second SIGINT aborts at once."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.received is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.received = signum
+        print(f"\n{signal.Signals(signum).name}: stopping after this step and saving a checkpoint "
+              "(Ctrl-C again aborts at once)", file=sys.stderr)
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+
+def _process_slice() -> dict[str, int]:
+    return {"process_index": jax.process_index(), "process_count": jax.process_count()}
+
+
+def _resume(checkpointer: Checkpointer, runtime: Runtime, state: TrainState, expected: dict[str, Any],
+            run_dir: Path, force: bool) -> TrainState:
+    if not checkpointer.steps():
+        print(f"no checkpoint in {run_dir}; starting fresh", file=sys.stderr)
+        return state
+    found = checkpointer.restore_newest_good(runtime.restore_target(), warn=lambda m: print(m, file=sys.stderr))
+    if found is None:
+        raise ValueError(f"cannot resume {run_dir}: no checkpoint in it is intact (see the messages above)")
+    state, saved = found
+    check_fingerprints(expected, saved, run_dir, force)
+    print(f"resuming {run_dir} from step {int(state.step)}", file=sys.stderr)
+    return runtime.from_saved(state)
+
+
+def train(cfg: RunConfig, out_dir: str | Path = "runs/default", *, resume: bool = False, force: bool = False,
           progress: bool = True) -> dict[str, Any]:
-    """Train `cfg` into the run directory `out_dir`; returns the summary record."""
+    """Train `cfg` into the run directory `out_dir`; returns the summary record.
+
+    With `resume`, continue from the newest intact checkpoint in `out_dir` (refusing a changed
+    model, tokenizer or corpus; `force` accepts changed [train] and [data] keys).
+    """
     run_dir = Path(out_dir)
+    has_checkpoints = (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir())
     if resume and (run_dir / "config.toml").is_file():
-        saved = load_run_config(run_dir)
-        if saved.fingerprint(exclude=RUN_LENGTH_KEYS) != cfg.fingerprint(exclude=RUN_LENGTH_KEYS):
-            raise ValueError(f"cannot resume {run_dir}: its config.toml differs from this config")
-    elif not resume and (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir()):
+        check_config_change(load_run_config(run_dir), cfg, run_dir, force)
+    elif not resume and has_checkpoints:
         raise ValueError(f"{run_dir} already holds a run; use --resume to continue it or another --out")
     data = prepare_data(cfg, run_dir)
+    main_process = jax.process_index() == 0  # the one that writes files other than checkpoints
     run_dir.mkdir(parents=True, exist_ok=True)
-    _write_atomic(run_dir / "config.toml", cfg.to_toml())
-    data.tokenizer.save(run_dir / "tokenizer.json")
+    if main_process:
+        _write_atomic(run_dir / "config.toml", cfg.to_toml())
+        data.tokenizer.save(run_dir / "tokenizer.json")
 
-    train_fn, eval_fn = compile_steps(cfg)
-    state = init_state(cfg, jax.random.key(cfg.train.seed))
+    runtime = make_runtime(cfg)
+    state = runtime.init_state()
     expected = manifest(cfg, data)
     checkpointer = Checkpointer(run_dir, keep=cfg.train.keep_checkpoints)
-    last_saved = checkpointer.latest_step()
-    if resume and last_saved is not None:
-        state, found = checkpointer.restore(state)
-        check_resumable(expected, found, run_dir)
-        print(f"resuming {run_dir} from step {last_saved}", file=sys.stderr)
-    elif resume:
-        print(f"no checkpoint in {run_dir}; starting fresh", file=sys.stderr)
+    try:
+        if resume:
+            state = _resume(checkpointer, runtime, state, expected, run_dir, force)
+        if main_process:
+            truncate_metrics(run_dir / "metrics.jsonl", after_step=int(runtime.to_saved(state).step))
+        with StopSignals() as stop:
+            summary = _loop(cfg, run_dir, data, state, runtime, checkpointer, expected, stop,
+                            progress and main_process, main_process)
+    finally:
+        checkpointer.close()
+    if main_process:
+        plot_losses(run_dir / "metrics.jsonl", run_dir / "loss.png")
+    return summary
 
-    start = int(state.step)
-    total = cfg.train.steps
+
+def _loop(cfg: RunConfig, run_dir: Path, data: RunData, state: TrainState, runtime: Runtime,
+          checkpointer: Checkpointer, expected: dict[str, Any], stop: StopSignals, progress: bool,
+          main_process: bool) -> dict[str, Any]:
+    start, total = int(runtime.to_saved(state).step), cfg.train.steps
     window = window_length(cfg.model)
     tokens_per_step = cfg.train.batch_size * cfg.model.context_length
-    n_params = count_params(state.params)
+    n_params = count_params(runtime.params(state))
+    last_saved = checkpointer.latest_step()
     started = time.perf_counter()
     train_loss = float("nan")
     last_eval: dict[str, float] = {}
     throughput = Throughput()
-    with MetricsWriter(run_dir) as writer, tqdm(total=total, initial=start, disable=not progress,
+    with MetricsWriter(run_dir, enabled=main_process) as writer, tqdm(total=total, initial=start, disable=not progress,
                                                  desc=run_dir.name, unit="step", dynamic_ncols=True) as bar:
         if start == 0:
             writer.write({"type": "summary", "step": 0, "event": "start", "parameters": n_params,
-                          "tokenizer_vocab": data.tokenizer.vocab_size, "train_tokens": len(data.tokens.train)})
-        try:
-            pending: tuple[int, dict] | None = None  # read a step's metrics after dispatching the next
-            for step in range(start, total):
-                batch = get_batch(data.tokens.train, seed=cfg.train.seed, step=step, stream=TRAIN_STREAM,
-                                  batch_size=cfg.train.batch_size, window=window)
-                state, metrics = train_fn(state, batch)
-                if pending is not None:
-                    train_loss = _log_step(pending, cfg, writer, bar, throughput, run_dir, last_saved)
-                pending = (step + 1, metrics)
-                done = step + 1
-                at_eval = done % cfg.train.eval_every == 0 or done == total
-                at_checkpoint = done % cfg.train.checkpoint_every == 0 or done == total
-                if at_eval or at_checkpoint:
-                    train_loss = _log_step(pending, cfg, writer, bar, throughput, run_dir, last_saved)
-                    pending = None
-                if at_eval:
-                    last_eval = evaluate(eval_fn, state.params, cfg, data)
-                    writer.write({"type": "eval", "step": done, **last_eval})
-                    if cfg.train.sample_tokens:
-                        writer.write({"type": "sample", "step": done,
-                                      "text": sample_text(state.params, cfg, data, seed=done)})
-                    bar.write(f"step {done}: val loss {last_eval['val_loss']:.4f}, "
-                              f"{last_eval['val_bits_per_byte']:.4f} bits/byte")
-                    throughput.reset()
-                if at_checkpoint:
-                    checkpointer.save(state, expected)
-                    last_saved = done
+                          "tokenizer_vocab": data.tokenizer.vocab_size, "train_tokens": len(data.tokens.train),
+                          **runtime.describe(state)})
+        pending: tuple[int, dict] | None = None  # read a step's metrics after dispatching the next
+        for step in range(start, total):
+            batch = get_batch(data.tokens.train, seed=cfg.train.seed, step=step, stream=TRAIN_STREAM,
+                              batch_size=cfg.train.batch_size, window=window, **_process_slice())
+            state, metrics = runtime.train_step(state, batch)
             if pending is not None:
                 train_loss = _log_step(pending, cfg, writer, bar, throughput, run_dir, last_saved)
-        finally:
-            checkpointer.close()
+            pending = (step + 1, metrics)
+            done = step + 1
+            at_eval = done % cfg.train.eval_every == 0 or done == total
+            at_checkpoint = done % cfg.train.checkpoint_every == 0 or done == total or stop.received
+            if at_eval or at_checkpoint:  # never evaluate or save a state whose loss was not checked
+                train_loss = _log_step(pending, cfg, writer, bar, throughput, run_dir, last_saved)
+                pending = None
+            if at_eval:
+                last_eval = evaluate(runtime, state, cfg, data)
+                writer.write({"type": "eval", "step": done, **last_eval})
+                if cfg.train.sample_tokens:
+                    writer.write({"type": "sample", "step": done,
+                                  "text": sample_text(runtime.params(state), cfg, data, seed=done)})
+                if main_process:
+                    bar.write(f"step {done}: val loss {last_eval['val_loss']:.4f}, "
+                              f"{last_eval['val_bits_per_byte']:.4f} bits/byte")
+                throughput.reset()
+            if at_checkpoint:
+                checkpointer.save(runtime.to_saved(state), expected)
+                last_saved = done
+            if stop.received:
+                break
+        if pending is not None:
+            train_loss = _log_step(pending, cfg, writer, bar, throughput, run_dir, last_saved)
+        checkpointer.wait()
         elapsed = time.perf_counter() - started
-        summary = {"type": "summary", "step": int(state.step), "event": "end", "train_loss": train_loss,
+        finished = int(runtime.to_saved(state).step)
+        event = "end" if finished == total else f"stopped by {signal.Signals(stop.received).name}"
+        summary = {"type": "summary", "step": finished, "event": event, "train_loss": train_loss,
                    **last_eval, "parameters": n_params, "wall_s": round(elapsed, 2),
-                   "tokens_per_s": round((int(state.step) - start) * tokens_per_step / elapsed, 1)}
+                   "tokens_per_s": round((finished - start) * tokens_per_step / max(elapsed, 1e-9), 1)}
+        if stop.received:
+            summary["signal"] = int(stop.received)
         writer.write(summary)
-    plot_losses(run_dir / "metrics.jsonl", run_dir / "loss.png")
     return summary
 
 

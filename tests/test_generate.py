@@ -181,3 +181,14 @@ def test_temperature_sharpens_the_distribution():
     expected = 0.5**2 / np.sum(np.array([0.5, 0.3, 0.15, 0.05]) ** 2)  # p^(1/T), T = 0.5
     assert abs((draws(logits, temperature=0.5) == 0).mean() - expected) < 0.04
     assert abs((draws(logits) == 0).mean() - 0.5) < 0.04
+
+
+def test_vocab_limit_keeps_samples_inside_the_tokenizer():
+    cfg = ModelConfig(vocab_size=64, context_length=16, d_model=16, n_layers=1, n_heads=2, init_std=1.0)
+    params = init_params(cfg, jax.random.key(0))
+    free = generate(params, cfg, [[1, 2]], 30, temperature=1.0, seed=3)[0]
+    limited = generate(params, cfg, [[1, 2]], 30, temperature=1.0, seed=3, vocab_limit=10)[0]
+    assert max(free) >= 10  # without the limit, a random model wanders over the whole vocab
+    assert max(limited) < 10
+    with pytest.raises(ValueError, match="vocab_limit"):
+        generate(params, cfg, [[1]], 2, vocab_limit=0)

@@ -1,0 +1,445 @@
+"""Running the train step on many devices: a ("data", "fsdp") mesh, shardings, pmap, multi-host.
+
+Two ways to spread one global batch over devices, both giving the update a single device would:
+
+* sharded (the default for more than one device): `jax.jit` of the unchanged `train_step` with
+  the batch split over every device of the mesh and the train state either replicated
+  (fsdp = 1, plain data parallelism) or split over the "fsdp" axis (fsdp > 1, ZeRO-3 style: each
+  device holds 1/fsdp of every large parameter and of its Adam moments). XLA inserts the
+  all-gathers and reduce-scatters; the model code knows nothing of devices.
+
+      mesh = make_mesh(cfg.train)
+      state = init_sharded_state(cfg, jax.random.key(cfg.train.seed), mesh)
+      step = sharded_train_step(cfg, mesh, state_shardings(mesh, state, cfg.train.fsdp))
+      state, metrics = step(state, shard_batch(batch_BW, mesh))
+
+* pmap: the classic replicated data parallelism, `jax.pmap` over the local devices with the
+  gradients averaged by `lax.pmean` before the optimiser update.
+
+      step = pmap_train_step(cfg)
+      state = replicate(init_state(cfg, rng))
+      state, metrics = step(state, shard_for_pmap(batch_BW))      # metrics: [n_devices] each
+
+Multi-host: call `maybe_initialize_distributed()` before anything else touches JAX; each process
+then feeds its own rows of the global batch (`data.get_batch(..., process_index=...)`) to
+`shard_batch`, which assembles the global array.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from functools import partial
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxgpt.config import RunConfig, TrainConfig
+from jaxgpt.optim import lr_schedule, make_optimizer
+from jaxgpt.step import TrainState, depth_losses, init_state, train_step, training_loss, window_length
+
+MESH_AXES = ("data", "fsdp")
+PMAP_AXIS = "batch"
+MODES = ("single", "sharded", "pmap")
+
+
+# ---------------------------------------------------------------------------------------------
+# Mesh and mode
+
+
+def _check_batch(train: TrainConfig, data: int, fsdp: int) -> None:
+    """Each micro-batch (batch_size // grad_accum rows) must split evenly over all devices."""
+    micro = train.batch_size // train.grad_accum
+    if micro % (data * fsdp):
+        raise ValueError(
+            f"train.batch_size = {train.batch_size} with train.grad_accum = {train.grad_accum} gives "
+            f"micro-batches of {micro} rows, which do not divide over data {data} x fsdp {fsdp} = "
+            f"{data * fsdp} devices"
+        )
+
+
+def make_mesh(train: TrainConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A ("data", "fsdp") mesh: fsdp = train.fsdp, data = n_devices // fsdp.
+
+    Devices are laid out row-major in (process index, id) order, so the batch rows of one process
+    are contiguous (what `shard_batch` and `data.get_batch` assume on many hosts).
+    """
+    if devices is None:
+        devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    devices = list(devices)
+    n, fsdp = len(devices), train.fsdp
+    if fsdp > n:
+        raise ValueError(f"train.fsdp = {fsdp} exceeds the {n} available devices")
+    if n % fsdp:
+        raise ValueError(f"train.fsdp = {fsdp} does not divide the {n} available devices")
+    data = n // fsdp
+    _check_batch(train, data, fsdp)
+    return Mesh(np.array(devices, dtype=object).reshape(data, fsdp), MESH_AXES)
+
+
+def resolve_mode(train: TrainConfig, n_devices: int) -> str:
+    """train.parallel resolved to "single" | "sharded" | "pmap" ("auto": sharded on > 1 device)."""
+    mode = train.parallel
+    if mode == "auto":
+        mode = "sharded" if n_devices > 1 else "single"
+    if mode not in MODES:
+        raise ValueError(f"train.parallel = {train.parallel!r} is not one of auto, {', '.join(MODES)}")
+    if train.fsdp > 1 and mode != "sharded":
+        raise ValueError(
+            f"train.fsdp = {train.fsdp} needs train.parallel = 'sharded' (or 'auto' on more than "
+            f"one device); it resolved to {mode!r} on {n_devices} device(s)"
+        )
+    return mode
+
+
+# ---------------------------------------------------------------------------------------------
+# Shardings
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Batch rows split over every device of the mesh (data and fsdp alike)."""
+    return NamedSharding(mesh, P(MESH_AXES))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def leaf_spec(shape: Sequence[int], fsdp: int) -> P:
+    """The partition spec of one state leaf: its largest axis divisible by `fsdp` over "fsdp".
+
+    Ties go to the later axis (feature axes come last; the scanned layer axis comes first).
+    Scalars, fsdp = 1 and leaves with no divisible axis are replicated. A function of the shape
+    alone, so Adam's mu and nu are sharded exactly like the parameter they belong to.
+    """
+    if fsdp == 1 or not shape:
+        return P()
+    candidates = [(size, axis) for axis, size in enumerate(shape) if size % fsdp == 0]
+    if not candidates:
+        return P()
+    _, axis = max(candidates)
+    return P(*(["fsdp" if a == axis else None for a in range(len(shape))]))
+
+
+def state_shardings(mesh: Mesh, abstract_state: Any, fsdp: int) -> Any:
+    """NamedShardings for every leaf of a (possibly abstract) train state, same tree structure."""
+    if mesh.shape["fsdp"] != fsdp:
+        raise ValueError(f"fsdp = {fsdp} but the mesh has an fsdp axis of {mesh.shape['fsdp']}")
+    return jax.tree_util.tree_map(
+        lambda leaf: NamedSharding(mesh, leaf_spec(np.shape(leaf), fsdp)), abstract_state
+    )
+
+
+def state_shapes(cfg: RunConfig) -> TrainState:
+    """The train state's shapes and dtypes, computing nothing."""
+    return jax.eval_shape(partial(init_state, cfg), jax.random.key(0))
+
+
+def init_sharded_state(cfg: RunConfig, rng: jax.Array, mesh: Mesh) -> TrainState:
+    """`init_state(cfg, rng)` created directly in its shardings (never whole on one device).
+
+    The values equal `init_state`'s: JAX's partitionable threefry makes random numbers
+    independent of how the array is split.
+    """
+    shardings = state_shardings(mesh, state_shapes(cfg), mesh.shape["fsdp"])
+    return jax.jit(partial(init_state, cfg), out_shardings=shardings)(rng)
+
+
+def sharded_train_step(cfg: RunConfig, mesh: Mesh, shardings: Any) -> Callable:
+    """jit(train_step) with the state in `shardings` (donated) and the batch over all devices.
+
+    Called as `step(state, batch_BW) -> (state, metrics)`; metrics come back replicated.
+    """
+    return jax.jit(
+        partial(train_step, cfg),
+        in_shardings=(shardings, batch_sharding(mesh)),
+        out_shardings=(shardings, replicated(mesh)),
+        donate_argnums=0,
+    )
+
+
+def shard_batch(batch_bW: np.ndarray, mesh: Mesh) -> jax.Array:
+    """This process's rows of the global batch -> one global array split over the mesh.
+
+    On one host `batch_bW` is the whole batch; on many, each process passes its contiguous
+    slice (rows process_index * b ... (process_index + 1) * b), as `data.get_batch` returns.
+    """
+    batch_bW = np.asarray(batch_bW)
+    global_shape = (batch_bW.shape[0] * jax.process_count(), *batch_bW.shape[1:])
+    return jax.make_array_from_process_local_data(batch_sharding(mesh), batch_bW, global_shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# pmap
+
+
+def pmap_train_step(cfg: RunConfig, axis_name: str = PMAP_AXIS) -> Callable:
+    """`train_step` under `jax.pmap`: per-device gradients averaged with `lax.pmean`.
+
+    Called as `step(replicated_state, batch_NbW) -> (replicated_state, metrics)` (or lowered
+    ahead of time with `step.lower(...)`) with the batch
+    from `shard_for_pmap` (N local devices, b rows each) and every metric of shape [N] (equal
+    values; `unreplicate` takes one). Mirrors `train_step`: `grad_accum` micro-batches per device,
+    the micro gradients and losses averaged, then averaged over devices, so with equal shares the
+    update is the one-device update on the whole batch.
+
+    Dropout: the key is fold_in(fold_in(key(seed), step), device index), then fold_in(micro index).
+    The device index gives each device its own masks; the masks differ from one device's (they
+    are drawn for [b, ...] shards, not the whole batch), so only with dropout = 0 do the numbers
+    match `train_step`'s exactly.
+    """
+    model, train = cfg.model, cfg.train
+    optimizer = make_optimizer(train)
+    schedule = lr_schedule(train)
+
+    def device_step(state: TrainState, batch_bW: jax.Array):
+        step_key = jax.random.fold_in(jax.random.key(train.seed), state.step)
+        dropout_key = jax.random.fold_in(step_key, jax.lax.axis_index(axis_name))
+        micro_ABW = batch_bW.reshape(train.grad_accum, -1, batch_bW.shape[-1])
+
+        def micro_grads(carry, inputs):
+            index, window_BW = inputs
+
+            def objective(params):
+                depths = depth_losses(params, model, window_BW, train=True,
+                                      rng=jax.random.fold_in(dropout_key, index))
+                return training_loss(depths, train.mtp_weight), depths
+
+            (_, depths), grads = jax.value_and_grad(objective, has_aux=True)(state.params)
+            return jax.tree_util.tree_map(jnp.add, carry, (grads, depths)), None
+
+        zeros = jax.tree_util.tree_map(jnp.zeros_like, state.params)
+        init = (zeros, jnp.zeros((1 + model.mtp_depth,), jnp.float32))
+        (grads, depths), _ = jax.lax.scan(micro_grads, init, (jnp.arange(train.grad_accum), micro_ABW))
+        grads, depths = jax.tree_util.tree_map(lambda g: g / train.grad_accum, (grads, depths))
+        grads, depths = jax.lax.pmean((grads, depths), axis_name)
+
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = {"loss": depths[0], "grad_norm": optax.tree.norm(grads), "lr": schedule(state.step)}
+        if model.mtp_depth:
+            metrics["mtp_loss"] = depths[1:].mean()
+        return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+    pmapped = jax.pmap(device_step, axis_name=axis_name, donate_argnums=0)
+    W = window_length(model)
+
+    def step(state: TrainState, batch_NbW: Any):
+        shape = tuple(np.shape(batch_NbW))
+        n = jax.local_device_count()
+        if len(shape) != 3 or shape[0] != n or shape[2] != W:
+            raise ValueError(f"pmap batch must be [{n} devices, rows, {W}] (see shard_for_pmap), got {shape}")
+        if shape[1] % train.grad_accum:
+            raise ValueError(
+                f"each device's {shape[1]} rows do not divide into train.grad_accum = "
+                f"{train.grad_accum} micro-batches"
+            )
+        return pmapped(state, batch_NbW)
+
+    step.lower = pmapped.lower  # ahead-of-time lowering, as for the jitted steps
+    return step
+
+
+def shard_for_pmap(batch_BW: Any, n_devices: int | None = None) -> Any:
+    """[B, W] -> [n_devices, B / n_devices, W]: device d gets rows d * B/n ... (d + 1) * B/n."""
+    n = jax.local_device_count() if n_devices is None else n_devices
+    B = np.shape(batch_BW)[0]
+    if B % n:
+        raise ValueError(f"batch of {B} rows does not divide over {n} devices")
+    return batch_BW.reshape(n, B // n, *np.shape(batch_BW)[1:])
+
+
+def replicate(tree: Any, devices: Sequence[jax.Device] | None = None) -> Any:
+    """One copy of every leaf per local device (leading axis [n_devices]), as pmap expects.
+
+    Each device receives its copy directly; the stacked array never exists on one device.
+    """
+    devices = list(jax.local_devices() if devices is None else devices)
+    sharding = NamedSharding(Mesh(np.array(devices, dtype=object), (PMAP_AXIS,)), P(PMAP_AXIS))
+
+    def one(x):
+        x = np.asarray(x) if not isinstance(x, jax.Array) else x
+        copies = [jax.device_put(x[None], d) for d in devices]
+        return jax.make_array_from_single_device_arrays((len(devices), *x.shape), sharding, copies)
+
+    return jax.tree_util.tree_map(one, tree)
+
+
+def unreplicate(tree: Any) -> Any:
+    """The first device's copy of every leaf of a replicated tree."""
+    return jax.tree_util.tree_map(lambda x: x[0], tree)
+
+
+# ---------------------------------------------------------------------------------------------
+# Multi-host
+
+_distributed_initialized = False
+
+
+def _env_int(*names: str) -> int | None:
+    for name in names:
+        value = os.environ.get(name, "").strip()
+        if value:
+            return int(value)
+    return None
+
+
+def distributed_env() -> dict[str, Any] | None:
+    """The `jax.distributed.initialize` arguments the environment asks for, or None.
+
+    * JAX_COORDINATOR_ADDRESS / COORDINATOR_ADDRESS with JAX_NUM_PROCESSES (or NUM_PROCESSES)
+      and JAX_PROCESS_ID (or PROCESS_ID); a missing count or id is left to JAX to detect, and a
+      count of 1 means a single process (nothing to initialize).
+    * A Cloud TPU pod: TPU_WORKER_HOSTNAMES naming more than one host, or, when that is unset,
+      CLOUD_TPU_TASK_ID; JAX then reads everything from the TPU environment ({}).
+    """
+    coordinator = os.environ.get("JAX_COORDINATOR_ADDRESS") or os.environ.get("COORDINATOR_ADDRESS")
+    if coordinator:
+        count = _env_int("JAX_NUM_PROCESSES", "JAX_PROCESS_COUNT", "NUM_PROCESSES", "PROCESS_COUNT")
+        index = _env_int("JAX_PROCESS_ID", "JAX_PROCESS_INDEX", "PROCESS_ID", "PROCESS_INDEX")
+        if count == 1:
+            return None
+        return {"coordinator_address": coordinator, "num_processes": count, "process_id": index}
+    hostnames = os.environ.get("TPU_WORKER_HOSTNAMES")
+    if hostnames is not None:
+        return {} if len([h for h in hostnames.split(",") if h.strip()]) > 1 else None
+    if os.environ.get("CLOUD_TPU_TASK_ID", "").strip():
+        return {}
+    return None
+
+
+def maybe_initialize_distributed() -> bool:
+    """Start multi-process JAX when the environment says so; True when running multi-process.
+
+    Idempotent. Call it first thing, before any other JAX call touches a device.
+    """
+    global _distributed_initialized
+    if _distributed_initialized or jax.distributed.is_initialized():
+        _distributed_initialized = True
+        return True
+    kwargs = distributed_env()
+    if kwargs is None:
+        return False
+    jax.distributed.initialize(**kwargs)
+    _distributed_initialized = True
+    return True
+
+
+def process_index() -> int:
+    return jax.process_index()
+
+
+def process_count() -> int:
+    return jax.process_count()
+
+
+def is_main_process() -> bool:
+    return jax.process_index() == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Reporting and ahead-of-time compilation
+
+
+def _bytes_on(tree: Any, device: jax.Device) -> int:
+    total = 0
+    for leaf in jax.tree_util.tree_leaves(tree):
+        if isinstance(leaf, jax.Array):
+            total += sum(s.data.nbytes for s in leaf.addressable_shards if s.device == device)
+        else:
+            total += np.asarray(leaf).nbytes
+    return total
+
+
+def _bytes(tree: Any) -> int:
+    return sum(int(np.prod(np.shape(x))) * np.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(tree))
+
+
+def describe(mesh: Mesh, state: TrainState) -> dict[str, Any]:
+    """Mesh shape and the bytes of params and optimiser state: in all, and on one device
+    (the mesh's first device of this process)."""
+    device = next(d for d in mesh.devices.flat if d.process_index == jax.process_index())
+    return {
+        "mesh": {axis: int(size) for axis, size in mesh.shape.items()},
+        "devices": int(mesh.devices.size),
+        "process_count": jax.process_count(),
+        "params_bytes": _bytes(state.params),
+        "opt_state_bytes": _bytes(state.opt_state),
+        "params_bytes_per_device": _bytes_on(state.params, device),
+        "opt_state_bytes_per_device": _bytes_on(state.opt_state, device),
+    }
+
+
+def planned_memory(cfg: RunConfig, mesh: Mesh | None) -> dict[str, Any]:
+    """Bytes of params and optimiser state per device, from shapes alone (nothing allocated)."""
+    shapes = state_shapes(cfg)
+    if mesh is None:
+        shardings = jax.tree_util.tree_map(lambda _: None, shapes)
+    else:
+        shardings = state_shardings(mesh, shapes, mesh.shape["fsdp"])
+
+    def per_device(tree: Any, tree_shardings: Any) -> int:
+        total = 0
+        for leaf, sharding in zip(jax.tree_util.tree_leaves(tree), jax.tree_util.tree_leaves(
+                tree_shardings, is_leaf=lambda x: x is None)):
+            shape = leaf.shape if sharding is None else sharding.shard_shape(leaf.shape)
+            total += int(np.prod(shape)) * leaf.dtype.itemsize
+        return total
+
+    return {"mesh": None if mesh is None else {axis: int(size) for axis, size in mesh.shape.items()},
+            "params_bytes_per_device": per_device(shapes.params, shardings.params),
+            "opt_state_bytes_per_device": per_device(shapes.opt_state, shardings.opt_state)}
+
+
+_MEMORY_FIELDS = {
+    "argument_bytes": "argument_size_in_bytes",
+    "output_bytes": "output_size_in_bytes",
+    "alias_bytes": "alias_size_in_bytes",
+    "temp_bytes": "temp_size_in_bytes",
+    "generated_code_bytes": "generated_code_size_in_bytes",
+}
+
+
+def aot_compile(cfg: RunConfig, mesh: Mesh, compiler_options: dict[str, Any] | None = None
+                ) -> dict[str, Any]:
+    """Lower and compile the sharded train step from shapes alone (nothing is allocated or run).
+
+    Returns the per-device memory figures of XLA's `memory_analysis()` (None where the backend
+    gives none), `total_bytes` = arguments + outputs - aliased (donated) + temporaries, and the
+    lowering and compile seconds: an out-of-memory check before the hardware is there.
+    `compiler_options` are passed to XLA (e.g. {"xla_backend_optimization_level": 0}).
+    """
+    fsdp = mesh.shape["fsdp"]
+    _check_batch(cfg.train, mesh.shape["data"], fsdp)
+    shapes = state_shapes(cfg)
+    shardings = state_shardings(mesh, shapes, fsdp)
+    state = jax.tree_util.tree_map(
+        lambda leaf, sh: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sh), shapes, shardings
+    )
+    batch = jax.ShapeDtypeStruct((cfg.train.batch_size, window_length(cfg.model)), jnp.int32,
+                                 sharding=batch_sharding(mesh))
+    start = time.perf_counter()
+    lowered = sharded_train_step(cfg, mesh, shardings).lower(state, batch)
+    lowered_at = time.perf_counter()
+    compiled = lowered.compile(compiler_options=compiler_options)
+    done = time.perf_counter()
+    try:
+        memory = compiled.memory_analysis()
+    except (NotImplementedError, RuntimeError, AttributeError):
+        memory = None
+    if isinstance(memory, (list, tuple)):
+        memory = memory[0] if memory else None
+    result: dict[str, Any] = {"mesh": {axis: int(size) for axis, size in mesh.shape.items()}}
+    for key, attribute in _MEMORY_FIELDS.items():
+        value = getattr(memory, attribute, None) if memory is not None else None
+        result[key] = None if value is None else int(value)
+    parts = [result[k] for k in ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes")]
+    result["total_bytes"] = (None if None in parts
+                             else parts[0] + parts[1] - parts[2] + parts[3])
+    result["lower_s"] = lowered_at - start
+    result["compile_s"] = done - lowered_at
+    return result

@@ -1,0 +1,280 @@
+"""Checkpoints that lose nothing: bitwise resume after a stop, SIGTERM, SIGKILL and corruption;
+refusal on a changed model, tokenizer or corpus."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+import jaxgpt.train as train_module
+from jaxgpt.checkpoint import Checkpointer, load_run, load_run_config
+from jaxgpt.cli import main
+from jaxgpt.config import load_config
+from jaxgpt.metrics import read_metrics
+from jaxgpt.runtime import Runtime
+from jaxgpt.step import init_state
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 24
+# The Day 1 model on a tiny corpus, small batches so a run takes seconds.
+OVERRIDES = ["train.batch_size=8", "train.warmup_steps=4", f"train.steps={STEPS}", "train.checkpoint_every=4",
+             "train.eval_every=8", "train.eval_batches=2", "train.log_every=1", "train.sample_tokens=0",
+             "train.keep_checkpoints=10", "data.tokenizer=char", "model.vocab_size=64"]
+TIMING_KEYS = {"tokens_per_s", "wall_s"}
+
+
+def write_corpus(path: Path) -> Path:
+    rng = np.random.default_rng(0)
+    words = ["alpha", "beta", "gamma", "delta", "eps", "zeta", "eta", "theta"]
+    path.write_text("\n".join(" ".join(rng.choice(words, 10)) for _ in range(400)) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return write_corpus(tmp_path_factory.mktemp("corpus") / "corpus.txt")
+
+
+def config(corpus, *extra):
+    return load_config(None, [*OVERRIDES, f"data.source={json.dumps(str(corpus))}", *extra])
+
+
+def full_state(run_dir: Path):
+    cfg = load_run_config(run_dir)
+    checkpointer = Checkpointer(run_dir, keep=100)
+    try:
+        like = jax.eval_shape(lambda: init_state(cfg, jax.random.key(0)))
+        state, _ = checkpointer.restore(like, checkpointer.latest_step())
+    finally:
+        checkpointer.close()
+    return jax.device_get(state)
+
+
+def assert_bitwise_equal(a, b):
+    leaves_a, tree_a = jax.tree_util.tree_flatten(a)
+    leaves_b, tree_b = jax.tree_util.tree_flatten(b)
+    assert tree_a == tree_b
+    for x, y in zip(leaves_a, leaves_b):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def comparable(records, after):
+    return [{k: v for k, v in r.items() if k not in TIMING_KEYS}
+            for r in records if r["step"] > after and r["type"] != "summary"]
+
+
+@pytest.fixture(scope="module")
+def reference(corpus, tmp_path_factory):
+    run = tmp_path_factory.mktemp("reference") / "run"
+    train_module.train(config(corpus), run, progress=False)
+    return run, full_state(run), read_metrics(run / "metrics.jsonl")
+
+
+def stop_at(step: int, monkeypatch):
+    """Send this process SIGTERM once the loop has dispatched `step` steps, as a scheduler would."""
+    real_step = Runtime.train_step
+
+    def step_then_signal(self, state, batch):
+        state, metrics = real_step(self, state, batch)
+        if int(self.to_saved(state).step) == step:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return state, metrics
+
+    monkeypatch.setattr(Runtime, "train_step", step_then_signal)
+
+
+def test_stop_then_resume_is_bitwise_identical(reference, corpus, tmp_path, monkeypatch):
+    ref_run, ref_state, ref_records = reference
+    run = tmp_path / "run"
+    with monkeypatch.context() as patch:
+        stop_at(10, patch)  # between checkpoints: the stop itself writes one at step 10
+        summary = train_module.train(config(corpus), run, progress=False)
+    assert summary["step"] == 10 and summary["event"] == "stopped by SIGTERM"
+    assert Checkpointer(run, keep=10).latest_step() == 10
+    train_module.train(config(corpus), run, resume=True, progress=False)
+    assert_bitwise_equal(full_state(run), ref_state)
+    assert comparable(read_metrics(run / "metrics.jsonl"), 10) == comparable(ref_records, 10)
+    assert comparable(read_metrics(run / "metrics.jsonl"), 0) == comparable(ref_records, 0)
+
+
+def test_damaged_newest_checkpoint_falls_back_by_name(reference, corpus, tmp_path, monkeypatch, capsys):
+    _, ref_state, _ = reference
+    run = tmp_path / "run"
+    with monkeypatch.context() as patch:
+        stop_at(16, patch)
+        train_module.train(config(corpus), run, progress=False)
+    newest = run / "checkpoints" / "16"
+    victims = sorted(p for p in newest.rglob("*") if p.is_file() and p.stat().st_size > 64 and "state" in str(p))
+    data_file = max(victims, key=lambda p: p.stat().st_size)
+    blob = bytearray(data_file.read_bytes())
+    blob[len(blob) // 2] ^= 0xFF  # flip one byte in the middle of the biggest state file
+    data_file.write_bytes(bytes(blob))
+    capsys.readouterr()
+    train_module.train(config(corpus), run, resume=True, progress=False)
+    err = capsys.readouterr().err
+    assert f"checkpoint {newest} is damaged" in err and "resuming" in err and "from step 12" in err
+    assert_bitwise_equal(full_state(run), ref_state)
+
+
+def test_missing_files_are_damage_too(reference, corpus, tmp_path, monkeypatch, capsys):
+    run = tmp_path / "run"
+    with monkeypatch.context() as patch:
+        stop_at(8, patch)
+        train_module.train(config(corpus), run, progress=False)
+    for path in (run / "checkpoints" / "8" / "state").rglob("*"):
+        if path.is_file() and "manifest" not in path.name:
+            path.unlink()
+    capsys.readouterr()
+    model_cfg, params = load_run(run)
+    assert "checkpoints/8 is damaged" in capsys.readouterr().err
+    assert model_cfg.vocab_size == 64 and "blocks" in params
+
+
+def test_resume_with_no_intact_checkpoint_is_a_clear_error(corpus, tmp_path, monkeypatch, capsys):
+    run = tmp_path / "run"
+    with monkeypatch.context() as patch:
+        stop_at(4, patch)
+        train_module.train(config(corpus), run, progress=False)
+    (run / "checkpoints" / "4" / "manifest" / "metadata").write_text("{not json")
+    args = ["train", "--out", str(run), "--resume", "--no-progress"] + [a for o in OVERRIDES for a in ("--set", o)]
+    assert main([*args, "--data", str(corpus)]) == 2
+    assert "no checkpoint in it is intact" in capsys.readouterr().err
+
+
+def test_fresh_resume_says_so(corpus, tmp_path, capsys):
+    run = tmp_path / "run"
+    train_module.train(config(corpus, "train.steps=2"), run, resume=True, progress=False)
+    assert f"no checkpoint in {run}; starting fresh" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("change,message", [
+    (["--set", "model.d_model=64"], "model.d_model was 128, now 64"),
+    (["--set", "data.tokenizer=bpe", "--set", "model.vocab_size=300"], "data.tokenizer was 'char', now 'bpe'"),
+    (["--data", "OTHER"], "data.source was"),
+])
+def test_resume_refuses_a_changed_run(reference, corpus, change, message, tmp_path, capsys):
+    ref_run, _, _ = reference
+    other = write_corpus(tmp_path / "other.txt")
+    change = [str(other) if c == "OTHER" else c for c in change]
+    base = [a for o in OVERRIDES for a in ("--set", o)]
+    assert main(["train", *base, "--data", str(corpus), *change, "--out", str(ref_run), "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+def test_resume_accepts_more_steps_and_force_accepts_a_new_corpus(reference, corpus, tmp_path, capsys):
+    ref_run, _, _ = reference
+    run = tmp_path / "run"
+    import shutil
+    shutil.copytree(ref_run, run)
+    summary = train_module.train(config(corpus, f"train.steps={STEPS + 2}"), run, resume=True, progress=False)
+    assert summary["step"] == STEPS + 2
+    changed = tmp_path / "changed.txt"
+    changed.write_text(corpus.read_text().replace("alpha", "gamma"))
+    with pytest.raises(ValueError, match="data.source was"):
+        train_module.train(config(changed, f"train.steps={STEPS + 4}"), run, resume=True, progress=False)
+    summary = train_module.train(config(changed, f"train.steps={STEPS + 4}"), run, resume=True, force=True,
+                                 progress=False)
+    assert summary["step"] == STEPS + 4
+
+
+def run_cli(corpus, run, *extra, env=None):
+    args = [sys.executable, "-m", "jaxgpt", "train", "--no-progress", "--data", str(corpus), "--out", str(run)]
+    args += [a for o in OVERRIDES for a in ("--set", o)] + list(extra)
+    return subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def wait_for(predicate, timeout=120.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def checkpoint_steps(run: Path) -> list[int]:
+    folder = run / "checkpoints"
+    return sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit()) if folder.is_dir() else []
+
+
+def writing(run: Path) -> bool:
+    folder = run / "checkpoints"
+    return folder.is_dir() and any("tmp" in p.name for p in folder.iterdir())
+
+
+@pytest.mark.parametrize("moment", ["during the first checkpoint write", "after two checkpoints", "mid-run"])
+def test_sigkill_at_any_moment_then_resume_is_bitwise_identical(reference, corpus, tmp_path, moment):
+    _, ref_state, _ = reference
+    run = tmp_path / "run"
+    process = run_cli(corpus, run)
+    if moment == "during the first checkpoint write":
+        assert wait_for(lambda: writing(run) or checkpoint_steps(run))
+    elif moment == "after two checkpoints":
+        assert wait_for(lambda: len(checkpoint_steps(run)) >= 2)
+    else:
+        assert wait_for(lambda: (run / "metrics.jsonl").is_file()
+                        and len((run / "metrics.jsonl").read_text().splitlines()) >= 14)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    resumed = run_cli(corpus, run, "--resume")
+    _, err = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, err
+    assert_bitwise_equal(full_state(run), ref_state)
+
+
+def test_sigterm_checkpoints_the_current_step_then_resume_matches(reference, corpus, tmp_path):
+    _, ref_state, ref_records = reference
+    run = tmp_path / "run"
+    process = run_cli(corpus, run)
+    assert wait_for(lambda: (run / "metrics.jsonl").is_file()
+                    and len((run / "metrics.jsonl").read_text().splitlines()) >= 6)
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 128 + signal.SIGTERM, err
+    assert "--resume" in err
+    records = read_metrics(run / "metrics.jsonl")
+    stopped = records[-1]
+    assert stopped["type"] == "summary" and stopped["event"] == "stopped by SIGTERM"
+    assert checkpoint_steps(run)[-1] == stopped["step"]  # the step it was on, not an earlier one
+    last_train = max(r["step"] for r in records if r["type"] == "train")
+    assert last_train == stopped["step"]  # no step was lost
+    resumed = run_cli(corpus, run, "--resume")
+    _, err = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, err
+    assert_bitwise_equal(full_state(run), ref_state)
+    assert comparable(read_metrics(run / "metrics.jsonl"), 0) == comparable(ref_records, 0)
+
+
+def devices_env(devices: int) -> dict[str, str]:
+    return {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+
+
+def train_losses(run: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(run / "metrics.jsonl") if r["type"] == "train"}
+
+
+@pytest.mark.parametrize("first,second", [(8, 1), (1, 8)])
+def test_resume_across_a_change_of_device_count(reference, corpus, tmp_path, first, second):
+    ref_run, _, _ = reference  # trained on this process's 8 devices
+    run = tmp_path / "run"
+    process = run_cli(corpus, run, env=devices_env(first))
+    assert wait_for(lambda: len(checkpoint_steps(run)) >= 2)
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode in (0, 128 + signal.SIGTERM), err
+    resumed = run_cli(corpus, run, "--resume", env=devices_env(second))
+    _, err = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, err
+    starts = [r for r in read_metrics(run / "metrics.jsonl") if r["type"] == "summary" and r["event"] == "start"]
+    assert starts[0]["devices"] == first
+    ref, got = train_losses(ref_run), train_losses(run)
+    assert sorted(got) == sorted(ref) == list(range(1, STEPS + 1))
+    np.testing.assert_allclose([got[s] for s in ref], list(ref.values()), rtol=1e-4)

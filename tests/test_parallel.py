@@ -1,0 +1,254 @@
+"""Multi-device training on 8 fake CPU devices: sharded (data, data x fsdp) and pmap steps give
+the one-device numbers; fsdp splits the state; bad meshes are refused; AOT compile runs nothing."""
+
+import dataclasses
+import functools
+
+import jax
+import numpy as np
+import pytest
+
+from jaxgpt import parallel
+from jaxgpt.config import RunConfig, load_config
+from jaxgpt.data import get_batch
+from jaxgpt.step import init_state, train_step, window_length
+
+# adam_eps = 1e-4 rather than 1e-8: Adam's first update is lr * g / (|g| + eps), whose slope at
+# g = 0 is lr / eps. With eps = 1e-8 the rounding of a different summation order in the few
+# gradients below eps (some q/k weights at init have |g| ~ 1e-11) moves params by ~1e-6, which
+# is Adam amplifying rounding noise, not a sharding error. A larger eps keeps the update a smooth
+# function of the gradient, so comparing params checks the gradients and the update.
+TINY = ["model.vocab_size=64", "model.context_length=16", "model.d_model=32", "model.n_layers=2",
+        "model.n_heads=4", "train.steps=20", "train.warmup_steps=2", "train.batch_size=16",
+        "train.adam_eps=1e-4"]
+CONFIGS = {
+    "day1": TINY,
+    "modern": [*TINY, "model.position=rope", "model.norm=rmsnorm", "model.feed_forward=swiglu",
+               "model.kv_heads=2", "model.tie_embeddings=false", "train.grad_accum=2"],
+}
+# a random 50-token phrase repeated: learnable within a few steps, so the loss curves move
+TOKENS = np.tile(np.random.default_rng(0).integers(0, 64, size=50), 80).astype(np.uint16)
+
+
+def with_fsdp(cfg: RunConfig, fsdp: int) -> RunConfig:
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, fsdp=fsdp))
+
+
+def batch_at(cfg: RunConfig, step: int) -> np.ndarray:
+    return get_batch(TOKENS, seed=1, step=step, batch_size=cfg.train.batch_size,
+                     window=window_length(cfg.model))
+
+
+# XLA's CPU backend compiles ~3x faster without LLVM optimisation; the partitioning (what these
+# tests are about) is the same, and every mode, the reference included, is compiled alike.
+FAST = {"xla_backend_optimization_level": 0}
+
+
+def with_shardings(tree, shardings):
+    return jax.tree_util.tree_map(
+        lambda leaf, sh: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sh), tree, shardings)
+
+
+@functools.lru_cache(maxsize=None)
+def runners(name: str):
+    """name -> (cfg, {mode: (place(host_state) -> state, step(state, host_batch) -> (state, metrics),
+    to_host(state) -> host_state)}); compiled once per config and shared by the tests."""
+    cfg = load_config(None, CONFIGS[name])
+    shapes = parallel.state_shapes(cfg)
+    B, W = cfg.train.batch_size, window_length(cfg.model)
+    single = jax.jit(functools.partial(train_step, cfg)).lower(
+        shapes, jax.ShapeDtypeStruct((B, W), np.int32)).compile(FAST)
+    out = {"single": (jax.device_put, single, jax.device_get)}
+    for mode, fsdp in (("data8", 1), ("data2_fsdp4", 4)):
+        sharded_cfg = with_fsdp(cfg, fsdp)
+        mesh = parallel.make_mesh(sharded_cfg.train)
+        shardings = parallel.state_shardings(mesh, shapes, fsdp)
+        batch = jax.ShapeDtypeStruct((B, W), np.int32, sharding=parallel.batch_sharding(mesh))
+        step = parallel.sharded_train_step(sharded_cfg, mesh, shardings).lower(
+            with_shardings(shapes, shardings), batch).compile(FAST)
+        out[mode] = (lambda host, sh=shardings: jax.device_put(host, sh),
+                     lambda s, b, step=step, mesh=mesh: step(s, parallel.shard_batch(b, mesh)),
+                     jax.device_get)
+    n = jax.local_device_count()
+    pmap_step = parallel.pmap_train_step(cfg).lower(
+        jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct((n, *x.shape), x.dtype), shapes),
+        jax.ShapeDtypeStruct((n, B // n, W), np.int32)).compile(FAST)
+    out["pmap"] = (parallel.replicate,
+                   lambda s, b: pmap_step(s, parallel.shard_for_pmap(b)),
+                   lambda s: jax.device_get(parallel.unreplicate(s)))
+    return cfg, out
+
+
+@functools.lru_cache(maxsize=None)
+def host_state(cfg: RunConfig):
+    return jax.device_get(jax.jit(functools.partial(init_state, cfg))(jax.random.key(3)))
+
+
+def max_abs_diff(a, b) -> float:
+    diffs = jax.tree_util.tree_map(lambda x, y: float(np.max(np.abs(np.asarray(x) - np.asarray(y)))), a, b)
+    return max(jax.tree_util.tree_leaves(diffs))
+
+
+def rel(a: float, b: float) -> float:
+    return abs(a - b) / abs(b)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_one_step_matches_one_device_in_every_mode(name):
+    assert jax.device_count() == 8
+    cfg, modes = runners(name)
+    start, batch = host_state(cfg), batch_at(cfg, 0)
+    results = {}
+    for mode, (place, step, to_host) in modes.items():
+        state, metrics = step(place(start), batch)
+        results[mode] = (to_host(state), {k: float(np.asarray(v).reshape(-1)[0]) for k, v in metrics.items()})
+    ref_state, ref_metrics = results.pop("single")
+    for mode, (state, metrics) in results.items():
+        print(f"{name} {mode}: loss rel {rel(metrics['loss'], ref_metrics['loss']):.1e}, "
+              f"grad_norm rel {rel(metrics['grad_norm'], ref_metrics['grad_norm']):.1e}, "
+              f"params abs {max_abs_diff(state.params, ref_state.params):.1e}, "
+              f"adam mu abs {max_abs_diff(state.opt_state[1][0].mu, ref_state.opt_state[1][0].mu):.1e} "
+              f"(max |mu| {max(np.abs(x).max() for x in jax.tree_util.tree_leaves(ref_state.opt_state[1][0].mu)):.1e})")
+        np.testing.assert_allclose(metrics["loss"], ref_metrics["loss"], rtol=1e-5)
+        np.testing.assert_allclose(metrics["grad_norm"], ref_metrics["grad_norm"], rtol=1e-5)
+        assert metrics["lr"] == ref_metrics["lr"]
+        assert int(state.step) == 1
+        jax.tree_util.tree_map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7),
+                               state.params, ref_state.params)
+        # Adam's moments are the gradient itself (mu = 0.1 g, nu = 0.01 g^2). An embedding row's
+        # gradient is a sum of cancelling terms, so its rounding is relative to the leaf's scale.
+        jax.tree_util.tree_map(
+            lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5 * np.abs(y).max()),
+            state.opt_state, ref_state.opt_state)
+    # the step moved the params, so agreeing is not trivial
+    moved = np.abs(ref_state.params["token_embedding"]["embedding"]
+                   - start.params["token_embedding"]["embedding"]).max()
+    assert moved > 1e-4
+
+
+def test_twenty_steps_loss_curves_agree():
+    cfg, modes = runners("day1")
+    curves = {}
+    for mode in ("single", "data2_fsdp4"):
+        place, step, _ = modes[mode]
+        state, curve = place(host_state(cfg)), []
+        for i in range(20):
+            state, metrics = step(state, batch_at(cfg, i))
+            curve.append(float(np.asarray(metrics["loss"]).reshape(-1)[0]))
+        curves[mode] = np.array(curve)
+    print({m: float(np.abs(c - curves["single"]).max()) for m, c in curves.items()})
+    assert curves["single"][-1] < curves["single"][0] - 0.1  # it trains
+    for mode in ("data2_fsdp4",):
+        np.testing.assert_allclose(curves[mode], curves["single"], rtol=1e-4, atol=1e-4)
+
+
+def test_fsdp_splits_params_and_adam_moments():
+    cfg = with_fsdp(load_config(None, CONFIGS["day1"]), 4)
+    mesh = parallel.make_mesh(cfg.train)
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 4}
+    state = parallel.init_sharded_state(cfg, jax.random.key(3), mesh)
+    # created sharded, with the one-device init's values (to rounding: the same random bits)
+    jax.tree_util.tree_map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-6),
+                           jax.device_get(state), host_state(load_config(None, CONFIGS["day1"])))
+
+    def shard_shapes(x):
+        return {tuple(s.data.shape) for s in x.addressable_shards}
+
+    embedding = state.params["token_embedding"]["embedding"]  # [64, 32]: split along V
+    qkv = state.params["blocks"]["attention"]["qkv"]["kernel"]  # [2, 32, 96]: split along 3C
+    mu = state.opt_state[1][0].mu
+    assert embedding.shape == (64, 32) and shard_shapes(embedding) == {(16, 32)}
+    assert qkv.shape == (2, 32, 96) and shard_shapes(qkv) == {(2, 32, 24)}
+    assert shard_shapes(mu["token_embedding"]["embedding"]) == {(16, 32)}
+    assert shard_shapes(mu["blocks"]["attention"]["qkv"]["kernel"]) == {(2, 32, 24)}
+    assert shard_shapes(state.params["blocks"]["attention_norm"]["scale"]) == {(2, 8)}
+    assert shard_shapes(state.step) == {()} and shard_shapes(state.opt_state[1][0].count) == {()}
+    # the four devices of one fsdp group hold different quarters; the two data rows the same ones
+    row0 = {s.device: s.index for s in embedding.addressable_shards}
+    quarters = [row0[d] for d in mesh.devices[0]]
+    assert len(set(map(str, quarters))) == 4 and quarters == [row0[d] for d in mesh.devices[1]]
+
+    info = parallel.describe(mesh, state)
+    assert info["mesh"] == {"data": 2, "fsdp": 4} and info["devices"] == 8
+    assert info["params_bytes_per_device"] * 4 == info["params_bytes"]  # every leaf splits here
+    scalars = 2 * 4  # two int32 counts, replicated
+    assert (info["opt_state_bytes_per_device"] - scalars) * 4 == info["opt_state_bytes"] - scalars
+
+
+def test_bad_mesh_requests_are_refused():
+    cfg = load_config(None, CONFIGS["day1"]).train
+    with pytest.raises(ValueError, match=r"fsdp = 3 does not divide the 8"):
+        parallel.make_mesh(dataclasses.replace(cfg, fsdp=3))
+    with pytest.raises(ValueError, match=r"fsdp = 16 exceeds the 8"):
+        parallel.make_mesh(dataclasses.replace(cfg, fsdp=16))
+    with pytest.raises(ValueError, match=r"batch_size = 12 .* 12 rows.*data 8 x fsdp 1 = 8"):
+        parallel.make_mesh(dataclasses.replace(cfg, batch_size=12))
+    with pytest.raises(ValueError, match=r"grad_accum = 4 .* 4 rows.*data 2 x fsdp 4 = 8"):
+        parallel.make_mesh(dataclasses.replace(cfg, batch_size=16, grad_accum=4, fsdp=4))
+    with pytest.raises(ValueError, match=r"fsdp = 2 needs train.parallel = 'sharded'"):
+        parallel.resolve_mode(dataclasses.replace(cfg, parallel="pmap", fsdp=2), 8)
+
+
+def test_resolve_mode_and_mesh_on_given_devices():
+    cfg = load_config(None, CONFIGS["day1"]).train
+    assert parallel.resolve_mode(cfg, 8) == "sharded" and parallel.resolve_mode(cfg, 1) == "single"
+    assert parallel.resolve_mode(dataclasses.replace(cfg, parallel="pmap"), 8) == "pmap"
+    mesh = parallel.make_mesh(dataclasses.replace(cfg, fsdp=2), jax.devices()[:4])
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 2}
+
+
+def test_aot_compile_reports_memory_without_running():
+    cfg = with_fsdp(load_config(None, CONFIGS["day1"]), 4)
+    mesh = parallel.make_mesh(cfg.train)
+    before = {id(a) for a in jax.live_arrays()}
+    report = parallel.aot_compile(cfg, mesh, FAST)
+    created = [a for a in jax.live_arrays() if id(a) not in before]
+    assert not [a for a in created if a.ndim > 0]  # no params, moments or batch were allocated
+    assert report["mesh"] == {"data": 2, "fsdp": 4}
+    assert report["compile_s"] > 0 and report["lower_s"] > 0
+    for key in ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes", "generated_code_bytes"):
+        assert report[key] is None or (isinstance(report[key], int) and report[key] >= 0)
+    if report["argument_bytes"] is not None:  # the CPU backend reports them
+        params = sum(x.size * 4 for x in jax.tree_util.tree_leaves(parallel.state_shapes(cfg).params))
+        assert report["argument_bytes"] < params  # per device: 1/4 of params + mu + nu (3/4 of params)
+        assert report["total_bytes"] > 0
+
+
+def test_distributed_initialization_follows_the_environment(monkeypatch):
+    for name in ("JAX_COORDINATOR_ADDRESS", "COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID",
+                 "TPU_WORKER_HOSTNAMES", "CLOUD_TPU_TASK_ID"):
+        monkeypatch.delenv(name, raising=False)
+    calls = []
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: calls.append(kw))
+    monkeypatch.setattr(parallel, "_distributed_initialized", False)
+    assert parallel.maybe_initialize_distributed() is False and calls == []
+    monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "only-host")
+    assert parallel.distributed_env() is None
+    monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "host-a,host-b")
+    assert parallel.distributed_env() == {}
+    monkeypatch.delenv("TPU_WORKER_HOSTNAMES")
+    monkeypatch.setenv("COORDINATOR_ADDRESS", "10.0.0.1:1234")
+    monkeypatch.setenv("JAX_NUM_PROCESSES", "2")
+    monkeypatch.setenv("JAX_PROCESS_ID", "1")
+    assert parallel.maybe_initialize_distributed() is True
+    assert parallel.maybe_initialize_distributed() is True  # idempotent
+    assert calls == [{"coordinator_address": "10.0.0.1:1234", "num_processes": 2, "process_id": 1}]
+    assert parallel.process_count() == 1 and parallel.process_index() == 0 and parallel.is_main_process()
+
+
+def test_pmap_helpers_round_trip():
+    tree = {"w": np.arange(6.0).reshape(2, 3), "n": np.int32(5)}
+    rep = parallel.replicate(tree)
+    assert rep["w"].shape == (8, 2, 3) and len(rep["w"].addressable_shards) == 8
+    back = parallel.unreplicate(rep)
+    np.testing.assert_array_equal(back["w"], tree["w"])
+    assert int(back["n"]) == 5
+    assert parallel.shard_for_pmap(np.zeros((16, 5))).shape == (8, 2, 5)
+    with pytest.raises(ValueError, match="12 rows does not divide over 8"):
+        parallel.shard_for_pmap(np.zeros((12, 5)))
+    cfg = load_config(None, CONFIGS["modern"])  # grad_accum = 2
+    step = parallel.pmap_train_step(cfg)
+    with pytest.raises(ValueError, match="3 rows do not divide into train.grad_accum = 2"):
+        step(None, np.zeros((8, 3, window_length(cfg.model)), np.int32))
+    with pytest.raises(ValueError, match=r"pmap batch must be \[8 devices, rows, 17\]"):
+        step(None, np.zeros((16, 17), np.int32))

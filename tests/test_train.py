@@ -1,0 +1,133 @@
+"""End to end: the train command, its artefacts, eval and generate on the run, the NaN guard and
+one-line errors for bad input."""
+
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jaxgpt.cli import main
+from jaxgpt.metrics import read_metrics
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--set", "model.context_length=16", "--set", "model.d_model=32", "--set", "model.n_heads=4",
+        "--set", "model.vocab_size=300", "--set", "train.batch_size=8", "--set", "train.warmup_steps=2",
+        "--set", "train.eval_every=10", "--set", "train.eval_batches=2", "--set", "train.log_every=5",
+        "--set", "train.checkpoint_every=10", "--set", "train.sample_tokens=12"]
+
+
+def write_corpus(path: Path, words: int = 6000) -> Path:
+    rng = random.Random(0)
+    vocab = ["the", "cat", "sat", "on", "a", "mat", "and", "dog", "ran", "to", "it", "was", "red"]
+    lines = [" ".join(rng.choice(vocab) for _ in range(12)) + "." for _ in range(words // 12)]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("train")
+    corpus = write_corpus(folder / "corpus.txt")
+    out = folder / "run"
+    assert main(["train", *TINY, "--data", str(corpus), "--steps", "20", "--out", str(out), "--no-progress"]) == 0
+    return out, corpus
+
+
+def test_a_short_run_writes_every_artefact(finished_run):
+    run, _ = finished_run
+    for name in ("config.toml", "tokenizer.json", "metrics.jsonl", "loss.png"):
+        assert (run / name).is_file() and (run / name).stat().st_size > 0, name
+    assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == ["10", "20"]
+    assert any(p.name.startswith("events.out.tfevents") for p in (run / "tensorboard").iterdir())
+    records = read_metrics(run / "metrics.jsonl")
+    train = [r for r in records if r["type"] == "train"]
+    evals = [r for r in records if r["type"] == "eval"]
+    samples = [r for r in records if r["type"] == "sample"]
+    assert [r["step"] for r in train] == [5, 10, 15, 20]
+    assert [r["step"] for r in evals] == [10, 20] and [r["step"] for r in samples] == [10, 20]
+    assert all(isinstance(s["text"], str) and s["text"] for s in samples)
+    last = evals[-1]
+    assert math.isclose(last["val_perplexity"], math.exp(last["val_loss"]), rel_tol=1e-6)
+    assert 0 < last["val_bits_per_byte"] < last["val_loss"] / math.log(2)  # > 1 byte per token
+    assert train[-1]["loss"] < train[0]["loss"]  # it learns
+    summary = records[-1]
+    assert summary["type"] == "summary" and summary["event"] == "end" and summary["step"] == 20
+
+
+def test_eval_and_generate_on_the_finished_run(finished_run, capsys):
+    run, _ = finished_run
+    assert main(["eval", "--run", str(run)]) == 0
+    result = json.loads(capsys.readouterr().out)
+    evals = [r for r in read_metrics(run / "metrics.jsonl") if r["type"] == "eval"]
+    assert math.isclose(result["loss"], evals[-1]["val_loss"], rel_tol=1e-5)
+    assert set(result) >= {"loss", "perplexity", "bits_per_byte"}
+    assert main(["generate", "--run", str(run), "--prompt", "the cat", "--max-new-tokens", "10",
+                 "--temperature", "0"]) == 0
+    first = capsys.readouterr().out
+    assert first.startswith("the cat") and len(first) > len("the cat")
+    assert main(["generate", "--run", str(run), "--prompt", "the cat", "--max-new-tokens", "10",
+                 "--temperature", "0"]) == 0
+    assert capsys.readouterr().out == first  # greedy is deterministic
+
+
+def test_a_second_run_into_the_same_directory_is_refused(finished_run, capsys):
+    run, corpus = finished_run
+    assert main(["train", *TINY, "--data", str(corpus), "--steps", "20", "--out", str(run)]) == 2
+    assert "--resume" in capsys.readouterr().err
+
+
+def test_nan_guard_stops_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):
+    import jax.numpy as jnp
+
+    import jaxgpt.train as train_module
+    from jaxgpt.config import load_config
+
+    from jaxgpt.runtime import Runtime
+
+    real_step = Runtime.train_step
+
+    def train_then_poison(self, state, batch):
+        state, metrics = real_step(self, state, batch)
+        return state, {**metrics, "loss": jnp.where(self.to_saved(state).step >= 7, jnp.nan, metrics["loss"])}
+
+    monkeypatch.setattr(Runtime, "train_step", train_then_poison)
+    corpus = write_corpus(tmp_path / "c.txt")
+    overrides = [v for v in TINY if v != "--set"] + [f"data.source={json.dumps(str(corpus))}", "train.steps=20",
+                                                      "train.checkpoint_every=3", "train.eval_every=100"]
+    with pytest.raises(train_module.TrainingDiverged, match="loss became nan at step 7.*step 6"):
+        train_module.train(load_config(None, overrides), tmp_path / "run", progress=False)
+    saved = sorted(int(p.name) for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.isdigit())
+    assert saved == [3, 6]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--data", "/no/such/file.txt"], "data source not found"),
+    (["--data", "EMPTY"], "empty"),
+    (["--data", "SHORT"], "fewer than one window"),
+    (["--data", "CORPUS", "--set", "model.vocab_size=200"], "vocab_size"),
+    (["--data", "CORPUS", "--set", "train.stpes=3"], "unknown config key train.stpes (did you mean 'steps'?)"),
+])
+def test_bad_input_is_one_line_and_writes_nothing(args, message, tmp_path, capsys):
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "short.txt").write_text("tiny text\n")
+    corpus = write_corpus(tmp_path / "corpus.txt", words=600)
+    names = {"EMPTY": tmp_path / "empty.txt", "SHORT": tmp_path / "short.txt", "CORPUS": corpus}
+    args = [str(names.get(a, a)) for a in args]
+    out = tmp_path / "run"
+    assert main(["train", *TINY, *args, "--out", str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+    assert not out.exists()
+
+
+def test_cli_errors_carry_no_traceback(tmp_path):
+    env = {**os.environ, "JAXGPT_CACHE": str(tmp_path / "cache")}
+    result = subprocess.run([sys.executable, "-m", "jaxgpt", "train", "--data", str(tmp_path / "missing"),
+                             "--out", str(tmp_path / "run")], cwd=ROOT, capture_output=True, text=True, env=env)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.count("\n") == 1 and "data source not found" in result.stderr
