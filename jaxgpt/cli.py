@@ -67,8 +67,6 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     import dataclasses
 
-    import jax
-
     from jaxgpt.checkpoint import load_run, load_run_config
     from jaxgpt.runtime import make_runtime
     from jaxgpt.step import TrainState

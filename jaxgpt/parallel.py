@@ -35,12 +35,10 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxgpt.config import RunConfig, TrainConfig
-from jaxgpt.optim import lr_schedule, make_optimizer
-from jaxgpt.step import TrainState, depth_losses, init_state, train_step, training_loss, window_length
+from jaxgpt.step import TrainState, init_state, train_step, window_length
 
 MESH_AXES = ("data", "fsdp")
 PMAP_AXIS = "batch"
@@ -185,47 +183,12 @@ def pmap_train_step(cfg: RunConfig, axis_name: str = PMAP_AXIS) -> Callable:
     from `shard_for_pmap` (N local devices, b rows each) and every metric of shape [N] (equal
     values; `unreplicate` takes one). Mirrors `train_step`: `grad_accum` micro-batches per device,
     the micro gradients and losses averaged, then averaged over devices, so with equal shares the
-    update is the one-device update on the whole batch.
-
-    Dropout: the key is fold_in(fold_in(key(seed), step), device index), then fold_in(micro index).
-    The device index gives each device its own masks; the masks differ from one device's (they
-    are drawn for [b, ...] shards, not the whole batch), so only with dropout = 0 do the numbers
-    match `train_step`'s exactly.
+    update is the one-device update on the whole batch (`train_step` with `axis_name`; dropout
+    masks differ per device, so only with dropout 0 do the numbers match one device's).
     """
     model, train = cfg.model, cfg.train
-    optimizer = make_optimizer(train)
-    schedule = lr_schedule(train)
-
-    def device_step(state: TrainState, batch_bW: jax.Array):
-        step_key = jax.random.fold_in(jax.random.key(train.seed), state.step)
-        dropout_key = jax.random.fold_in(step_key, jax.lax.axis_index(axis_name))
-        micro_ABW = batch_bW.reshape(train.grad_accum, -1, batch_bW.shape[-1])
-
-        def micro_grads(carry, inputs):
-            index, window_BW = inputs
-
-            def objective(params):
-                depths = depth_losses(params, model, window_BW, train=True,
-                                      rng=jax.random.fold_in(dropout_key, index))
-                return training_loss(depths, train.mtp_weight), depths
-
-            (_, depths), grads = jax.value_and_grad(objective, has_aux=True)(state.params)
-            return jax.tree_util.tree_map(jnp.add, carry, (grads, depths)), None
-
-        zeros = jax.tree_util.tree_map(jnp.zeros_like, state.params)
-        init = (zeros, jnp.zeros((1 + model.mtp_depth,), jnp.float32))
-        (grads, depths), _ = jax.lax.scan(micro_grads, init, (jnp.arange(train.grad_accum), micro_ABW))
-        grads, depths = jax.tree_util.tree_map(lambda g: g / train.grad_accum, (grads, depths))
-        grads, depths = jax.lax.pmean((grads, depths), axis_name)
-
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": depths[0], "grad_norm": optax.tree.norm(grads), "lr": schedule(state.step)}
-        if model.mtp_depth:
-            metrics["mtp_loss"] = depths[1:].mean()
-        return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
-
-    pmapped = jax.pmap(device_step, axis_name=axis_name, donate_argnums=0)
+    pmapped = jax.pmap(partial(train_step, cfg, axis_name=axis_name), axis_name=axis_name,
+                       donate_argnums=0)
     W = window_length(model)
 
     def step(state: TrainState, batch_NbW: Any):

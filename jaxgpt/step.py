@@ -53,14 +53,20 @@ def training_loss(depths: jax.Array, mtp_weight: float) -> jax.Array:
     return depths[0] + mtp_weight * depths[1:].mean()
 
 
-def train_step(cfg: RunConfig, state: TrainState, batch_BW: jax.Array) -> tuple[TrainState, dict[str, jax.Array]]:
+def train_step(cfg: RunConfig, state: TrainState, batch_BW: jax.Array,
+               axis_name: str | None = None) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimiser update from `grad_accum` equal micro-batches of the global batch.
 
-    The micro-batch gradients are averaged, so the update equals one on the whole batch.
+    The micro-batch gradients are averaged, so the update equals one on the whole batch. Under
+    `jax.pmap`, `axis_name` names the device axis: each device holds an equal share of the batch,
+    its gradients are averaged over the devices before the update, and its dropout masks get a
+    key of their own (so only with dropout 0 do the numbers equal one device's).
     """
     model, train = cfg.model, cfg.train
     optimizer = make_optimizer(train)
     dropout_key = jax.random.fold_in(jax.random.key(train.seed), state.step)
+    if axis_name is not None:
+        dropout_key = jax.random.fold_in(dropout_key, jax.lax.axis_index(axis_name))
     micro_ABW = batch_BW.reshape(train.grad_accum, -1, batch_BW.shape[-1])
 
     def micro_grads(carry, inputs):
@@ -79,6 +85,8 @@ def train_step(cfg: RunConfig, state: TrainState, batch_BW: jax.Array) -> tuple[
     init = (zeros, jnp.zeros((1 + model.mtp_depth,), jnp.float32))
     (grads, depths), _ = jax.lax.scan(micro_grads, init, (jnp.arange(train.grad_accum), micro_ABW))
     grads, depths = jax.tree_util.tree_map(lambda g: g / train.grad_accum, (grads, depths))
+    if axis_name is not None:
+        grads, depths = jax.lax.pmean((grads, depths), axis_name)
 
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)

@@ -236,6 +236,12 @@ def _loop(cfg: RunConfig, run_dir: Path, data: RunData, state: TrainState, runti
     train_loss = float("nan")
     last_eval: dict[str, float] = {}
     throughput = Throughput()
+    if main_process:
+        layout = runtime.describe(state)
+        print(f"{layout['mode']} on {layout['devices']} device(s)"
+              + (f", mesh {layout['mesh']}, per device: params {layout['params_bytes_per_device']:,} B, "
+                 f"optimiser state {layout['opt_state_bytes_per_device']:,} B" if "mesh" in layout else ""),
+              file=sys.stderr)
     with MetricsWriter(run_dir, enabled=main_process) as writer, tqdm(total=total, initial=start, disable=not progress,
                                                  desc=run_dir.name, unit="step", dynamic_ncols=True) as bar:
         if start == 0:

@@ -3,7 +3,6 @@
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxgpt.config import RunConfig, load_config
