@@ -47,6 +47,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from jaxgpt.parallel import maybe_initialize_distributed
 
     maybe_initialize_distributed()  # before anything else touches the devices
+    from jaxgpt.metrics import read_metrics
     from jaxgpt.train import train
 
     overrides = list(args.overrides)
@@ -56,6 +57,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         overrides.append(f"train.steps={args.steps}")
     cfg = load_config(args.config, overrides)
     summary = train(cfg, out_dir=args.out, resume=args.resume, force=args.force, progress=not args.no_progress)
+    samples = [r for r in read_metrics(Path(args.out) / "metrics.jsonl") if r["type"] == "sample"]
+    if samples:
+        print(f"--- sample at step {samples[-1]['step']} ---\n{samples[-1]['text']}\n---")
     print(json.dumps(summary))
     if "signal" in summary:
         print(f"stopped at step {summary['step']} with a checkpoint; continue with: "

@@ -270,7 +270,7 @@ def _loop(cfg: RunConfig, run_dir: Path, data: RunData, state: TrainState, runti
                                   "text": sample_text(runtime.params(state), cfg, data, seed=done)})
                 if main_process:
                     bar.write(f"step {done}: val loss {last_eval['val_loss']:.4f}, "
-                              f"{last_eval['val_bits_per_byte']:.4f} bits/byte")
+                              f"{last_eval['val_bits_per_byte']:.4f} bits/byte", file=sys.stderr)
                 throughput.reset()
             if at_checkpoint:
                 checkpointer.save(runtime.to_saved(state), expected)

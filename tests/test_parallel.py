@@ -1,6 +1,7 @@
 """Multi-device training on 8 fake CPU devices: sharded (data, data x fsdp) and pmap steps give
 the one-device numbers; fsdp splits the state; bad meshes are refused; AOT compile runs nothing."""
 
+import json
 import dataclasses
 import functools
 
@@ -252,3 +253,15 @@ def test_pmap_helpers_round_trip():
         step(None, np.zeros((8, 3, window_length(cfg.model)), np.int32))
     with pytest.raises(ValueError, match=r"pmap batch must be \[8 devices, rows, 17\]"):
         step(None, np.zeros((16, 17), np.int32))
+
+
+def test_dry_run_compile_reports_memory_per_device(capsys):
+    from jaxgpt.cli import main
+
+    assert main(["dry-run", "--set", "train.fsdp=4", "--set", "model.n_layers=1", "--compile"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["mode"] == "sharded" and record["devices"] == 8 and record["mesh"] == {"data": 2, "fsdp": 4}
+    assert record["parameters"] * 4 / 4 == record["params_bytes_per_device"]  # float32, split 4 ways
+    assert record["opt_state_bytes_per_device"] > record["params_bytes_per_device"]  # mu and nu
+    compiled = record["compiled"]
+    assert compiled["argument_bytes"] > 0 and compiled["temp_bytes"] > 0 and compiled["compile_s"] > 0

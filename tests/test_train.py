@@ -1,6 +1,7 @@
 """End to end: the train command, its artefacts, eval and generate on the run, the NaN guard and
 one-line errors for bad input."""
 
+import io
 import json
 import math
 import os
@@ -34,7 +35,12 @@ def finished_run(tmp_path_factory):
     folder = tmp_path_factory.mktemp("train")
     corpus = write_corpus(folder / "corpus.txt")
     out = folder / "run"
-    assert main(["train", *TINY, "--data", str(corpus), "--steps", "20", "--out", str(out), "--no-progress"]) == 0
+    with pytest.MonkeyPatch.context() as patch:
+        printed = io.StringIO()
+        patch.setattr(sys, "stdout", printed)
+        assert main(["train", *TINY, "--data", str(corpus), "--steps", "20", "--out", str(out), "--no-progress"]) == 0
+    lines = printed.getvalue().splitlines()
+    assert lines[0] == "--- sample at step 20 ---" and json.loads(lines[-1])["step"] == 20
     return out, corpus
 
 
