@@ -14,7 +14,7 @@ train: $(STAMP)
 	$(VENV)/bin/jaxgpt train --out runs/default
 
 test: $(STAMP)
-	$(PY) -m pytest -x -q -n 2
+	$(PY) -m pytest -x -n 2
 
 clean:
 	rm -rf $(VENV) runs
