@@ -117,6 +117,29 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_import_hf(args: argparse.Namespace) -> int:
+    from jaxgpt.hf import import_hf_run
+
+    run_dir = import_hf_run(args.hf_dir, args.out)
+    print(json.dumps({"run": str(run_dir), "from": args.hf_dir}))
+    return 0
+
+
+def cmd_export_hf(args: argparse.Namespace) -> int:
+    from jaxgpt.checkpoint import load_run
+    from jaxgpt.hf import export_hf
+
+    model, params = load_run(args.run)
+    out = export_hf(model, params, args.out)
+    tokenizer = Path(args.run) / "tokenizer.json"
+    if tokenizer.is_file():
+        import shutil
+
+        shutil.copyfile(tokenizer, out / "tokenizer.json")
+    print(json.dumps({"hf_dir": str(out), "from": args.run}))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxgpt", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -155,6 +178,16 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=None)
     gen.add_argument("--seed", type=int, default=0)
     gen.set_defaults(func=cmd_generate)
+
+    imp = sub.add_parser("import-hf", help="make a run directory from a Hugging Face GPT-2 or Llama directory")
+    imp.add_argument("hf_dir", help="a directory with config.json and model.safetensors")
+    imp.add_argument("--out", required=True, help="the run directory to create")
+    imp.set_defaults(func=cmd_import_hf)
+
+    exp = sub.add_parser("export-hf", help="write a run's newest checkpoint as a Hugging Face model directory")
+    exp.add_argument("--run", required=True, help="a run directory")
+    exp.add_argument("--out", required=True, help="the Hugging Face directory to write")
+    exp.set_defaults(func=cmd_export_hf)
     return parser
 
 

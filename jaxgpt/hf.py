@@ -1,0 +1,339 @@
+"""Import and export of Hugging Face GPT-2 and Llama checkpoints (config.json + model.safetensors).
+
+    cfg, params = import_hf("path/to/hf_dir")           # ModelConfig, scanned-layout params
+    export_hf(cfg, params, "path/to/out_dir")           # loadable by AutoModelForCausalLM
+    import_hf_run("path/to/hf_dir", "runs/imported")    # a run directory for generate/eval/train
+
+Weights are read and written with `safetensors.numpy`; torch is never needed. Flax Dense kernels
+are [in, out]; torch Linear weights are [out, in] (transposed here); GPT-2's Conv1D weights are
+already [in, out]. Options this model cannot reproduce are refused with a ValueError naming them.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from jaxgpt.config import ModelConfig
+
+Params = dict[str, Any]
+WEIGHTS = "model.safetensors"
+
+
+def _safetensors():
+    try:
+        import safetensors.numpy as stn
+    except ImportError:
+        raise ImportError("Hugging Face import/export needs `safetensors` (pip install 'jaxgpt[hf]')") from None
+    return stn
+
+
+def _read(hf_dir: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    hf_dir = Path(hf_dir)
+    config_path = hf_dir / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{hf_dir} is not a Hugging Face model directory (no config.json)")
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    stn = _safetensors()
+    files = [hf_dir / WEIGHTS] if (hf_dir / WEIGHTS).is_file() else sorted(hf_dir.glob("model-*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no {WEIGHTS} in {hf_dir} (only safetensors weights are supported)")
+    tensors: dict[str, np.ndarray] = {}
+    for path in files:
+        tensors.update(stn.load_file(str(path)))
+    return config, {k: np.asarray(v, np.float32) for k, v in tensors.items()}
+
+
+def _refuse(arch: str, option: str, value: Any, why: str) -> None:
+    raise ValueError(f"unsupported {arch} option {option} = {value!r}: {why}")
+
+
+def _get(tensors: dict[str, np.ndarray], name: str, *prefixes: str) -> np.ndarray:
+    prefixes = prefixes or ("",)
+    for prefix in prefixes:
+        if prefix + name in tensors:
+            return tensors[prefix + name]
+    raise ValueError(f"missing weight {prefixes[0] + name} in the safetensors file")
+
+
+def _stack(arrays: list[np.ndarray]) -> np.ndarray:
+    return np.stack(arrays).astype(np.float32)
+
+
+# ---------------------------------------------------------------------------------------- GPT-2
+
+def _gpt2_config(c: dict[str, Any]) -> ModelConfig:
+    arch = "GPT-2"
+    act = c.get("activation_function", "gelu_new")
+    if act not in ("gelu_new", "gelu_pytorch_tanh"):
+        _refuse(arch, "activation_function", act, "only the tanh GELU (gelu_new) is supported")
+    for option, wanted in (("scale_attn_by_inverse_layer_idx", False), ("scale_attn_weights", True),
+                           ("add_cross_attention", False)):
+        if c.get(option, wanted) != wanted:
+            _refuse(arch, option, c[option], f"only {wanted} is supported")
+    if c.get("tie_word_embeddings", True) is not True:
+        _refuse(arch, "tie_word_embeddings", c["tie_word_embeddings"], "GPT-2 import expects a tied head")
+    d_model = c["n_embd"]
+    return ModelConfig(
+        vocab_size=c["vocab_size"], context_length=c["n_positions"], d_model=d_model,
+        n_layers=c["n_layer"], n_heads=c["n_head"], hidden_size=c.get("n_inner") or 4 * d_model,
+        position="learned", norm="layernorm", norm_eps=float(c.get("layer_norm_epsilon", 1e-5)),
+        residual="pre", feed_forward="gelu", bias=True, tie_embeddings=True, dropout=0.0,
+    )
+
+
+def _gpt2_params(cfg: ModelConfig, t: dict[str, np.ndarray]) -> Params:
+    pre = ("transformer.", "")
+    layers = range(cfg.n_layers)
+
+    def per_layer(name: str) -> np.ndarray:
+        return _stack([_get(t, f"h.{i}.{name}", *pre) for i in layers])
+
+    def norm(name: str) -> dict[str, np.ndarray]:
+        return {"scale": per_layer(f"{name}.weight"), "bias": per_layer(f"{name}.bias")}
+
+    blocks = {
+        "attention": {
+            "qkv": {"kernel": per_layer("attn.c_attn.weight"), "bias": per_layer("attn.c_attn.bias")},
+            "out": {"kernel": per_layer("attn.c_proj.weight"), "bias": per_layer("attn.c_proj.bias")},
+        },
+        "feed_forward": {
+            "up": {"kernel": per_layer("mlp.c_fc.weight"), "bias": per_layer("mlp.c_fc.bias")},
+            "down": {"kernel": per_layer("mlp.c_proj.weight"), "bias": per_layer("mlp.c_proj.bias")},
+        },
+        "attention_norm": norm("ln_1"),
+        "feed_forward_norm": norm("ln_2"),
+    }
+    return {
+        "token_embedding": {"embedding": _get(t, "wte.weight", *pre)},
+        "position_embedding": {"embedding": _get(t, "wpe.weight", *pre)},
+        "blocks": blocks,
+        "final_norm": {"scale": _get(t, "ln_f.weight", *pre), "bias": _get(t, "ln_f.bias", *pre)},
+    }
+
+
+# ---------------------------------------------------------------------------------------- Llama
+
+def _rope_settings(c: dict[str, Any]) -> tuple[float, float]:
+    """(rope_base, rope_scale) from `rope_theta`/`rope_scaling` or the newer `rope_parameters`."""
+    params = c.get("rope_parameters") or {}
+    base = float(params.get("rope_theta", c.get("rope_theta", 10000.0)))
+    scaling = c.get("rope_scaling") or params
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return base, 1.0
+    if kind != "linear":
+        _refuse("Llama", "rope_scaling", scaling, "only linear RoPE scaling is supported")
+    return base, float(scaling["factor"])
+
+
+def _llama_config(c: dict[str, Any]) -> ModelConfig:
+    arch = "Llama"
+    if c.get("hidden_act", "silu") != "silu":
+        _refuse(arch, "hidden_act", c["hidden_act"], "only silu (SwiGLU) is supported")
+    for option in ("attention_bias", "mlp_bias"):
+        if c.get(option, False):
+            _refuse(arch, option, c[option], "biases are not supported in Llama import")
+    d_model, heads = c["hidden_size"], c["num_attention_heads"]
+    head_dim = c.get("head_dim") or d_model // heads
+    if head_dim * heads != d_model:
+        _refuse(arch, "head_dim", head_dim, f"must equal hidden_size / num_attention_heads = {d_model / heads}")
+    base, scale = _rope_settings(c)
+    return ModelConfig(
+        vocab_size=c["vocab_size"], context_length=c["max_position_embeddings"], d_model=d_model,
+        n_layers=c["num_hidden_layers"], n_heads=heads, kv_heads=c.get("num_key_value_heads") or heads,
+        hidden_size=c["intermediate_size"], position="rope", rope_base=base, rope_scale=scale,
+        norm="rmsnorm", norm_eps=float(c.get("rms_norm_eps", 1e-6)), residual="pre", feed_forward="swiglu",
+        bias=False, tie_embeddings=bool(c.get("tie_word_embeddings", False)), dropout=0.0,
+    )
+
+
+def _llama_params(cfg: ModelConfig, t: dict[str, np.ndarray]) -> Params:
+    layers = range(cfg.n_layers)
+
+    def per_layer(name: str, transpose: bool = True) -> np.ndarray:
+        return _stack([_get(t, f"model.layers.{i}.{name}").T if transpose
+                       else _get(t, f"model.layers.{i}.{name}") for i in layers])
+
+    qkv = _stack([np.concatenate([_get(t, f"model.layers.{i}.self_attn.{p}_proj.weight").T
+                                  for p in ("q", "k", "v")], axis=1) for i in layers])
+    params: Params = {
+        "token_embedding": {"embedding": _get(t, "model.embed_tokens.weight")},
+        "blocks": {
+            "attention": {"qkv": {"kernel": qkv}, "out": {"kernel": per_layer("self_attn.o_proj.weight")}},
+            "feed_forward": {name: {"kernel": per_layer(f"mlp.{name}_proj.weight")}
+                             for name in ("up", "gate", "down")},
+            "attention_norm": {"scale": per_layer("input_layernorm.weight", transpose=False)},
+            "feed_forward_norm": {"scale": per_layer("post_attention_layernorm.weight", transpose=False)},
+        },
+        "final_norm": {"scale": _get(t, "model.norm.weight")},
+    }
+    if not cfg.tie_embeddings:
+        params["lm_head"] = {"kernel": _get(t, "lm_head.weight").T.copy()}
+    return params
+
+
+# --------------------------------------------------------------------------------------- public
+
+_IMPORTERS = {"gpt2": (_gpt2_config, _gpt2_params), "llama": (_llama_config, _llama_params)}
+
+
+def import_hf(hf_dir: str | Path) -> tuple[ModelConfig, Params]:
+    """The ModelConfig and params (scanned layout, float32) of a Hugging Face GPT-2 or Llama dir."""
+    import jax
+    import jax.numpy as jnp
+
+    config, tensors = _read(Path(hf_dir))
+    model_type = config.get("model_type")
+    if model_type not in _IMPORTERS:
+        raise ValueError(f"unsupported model_type {model_type!r} in {hf_dir}/config.json "
+                         f"(supported: {', '.join(_IMPORTERS)})")
+    make_config, make_params = _IMPORTERS[model_type]
+    cfg = make_config(config)
+    params = make_params(cfg, tensors)
+    return cfg, jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float32), params)
+
+
+def _check_exportable(cfg: ModelConfig) -> str:
+    """'gpt2' or 'llama'; a ValueError naming the first option neither can represent."""
+    def refuse(option: str, why: str) -> None:
+        raise ValueError(f"cannot export to Hugging Face: model.{option} = {getattr(cfg, option)!r} {why}")
+
+    if cfg.residual != "pre":
+        refuse("residual", "(Hugging Face GPT-2 and Llama are pre-norm)")
+    if cfg.mtp_depth:
+        refuse("mtp_depth", "(multi-token-prediction adapters have no Hugging Face equivalent)")
+    if cfg.position == "learned":
+        if cfg.norm != "layernorm":
+            refuse("norm", "with learned positions (GPT-2 needs layernorm)")
+        if cfg.feed_forward != "gelu":
+            refuse("feed_forward", "with learned positions (GPT-2 needs gelu)")
+        if not cfg.bias:
+            refuse("bias", "with learned positions (GPT-2 has biases on every linear layer)")
+        if not cfg.tie_embeddings:
+            refuse("tie_embeddings", "with learned positions (GPT-2 ties its head)")
+        if cfg.kv_heads != cfg.n_heads:
+            refuse("kv_heads", "with learned positions (GPT-2 has no grouped KV heads)")
+        return "gpt2"
+    if cfg.norm != "rmsnorm":
+        refuse("norm", "with rope positions (Llama needs rmsnorm)")
+    if cfg.feed_forward != "swiglu":
+        refuse("feed_forward", "with rope positions (Llama needs swiglu)")
+    if cfg.bias:
+        refuse("bias", "with rope positions (Llama has no biases)")
+    return "llama"
+
+
+def _np(x: Any) -> np.ndarray:
+    return np.ascontiguousarray(np.asarray(x, np.float32))
+
+
+def _export_gpt2(cfg: ModelConfig, p: Params) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    config = {
+        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": cfg.vocab_size,
+        "n_positions": cfg.context_length, "n_ctx": cfg.context_length, "n_embd": cfg.d_model,
+        "n_layer": cfg.n_layers, "n_head": cfg.n_heads, "n_inner": cfg.hidden_size,
+        "activation_function": "gelu_new", "layer_norm_epsilon": cfg.norm_eps,
+        "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "tie_word_embeddings": True,
+        "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False, "torch_dtype": "float32",
+    }
+    b = p["blocks"]
+    names = {"attn.c_attn": b["attention"]["qkv"], "attn.c_proj": b["attention"]["out"],
+             "mlp.c_fc": b["feed_forward"]["up"], "mlp.c_proj": b["feed_forward"]["down"]}
+    norms = {"ln_1": b["attention_norm"], "ln_2": b["feed_forward_norm"]}
+    t = {"transformer.wte.weight": _np(p["token_embedding"]["embedding"]),
+         "transformer.wpe.weight": _np(p["position_embedding"]["embedding"]),
+         "transformer.ln_f.weight": _np(p["final_norm"]["scale"]),
+         "transformer.ln_f.bias": _np(p["final_norm"]["bias"])}
+    for i in range(cfg.n_layers):
+        for name, dense in names.items():
+            t[f"transformer.h.{i}.{name}.weight"] = _np(dense["kernel"][i])  # Conv1D: [in, out]
+            t[f"transformer.h.{i}.{name}.bias"] = _np(dense["bias"][i])
+        for name, norm in norms.items():
+            t[f"transformer.h.{i}.{name}.weight"] = _np(norm["scale"][i])
+            t[f"transformer.h.{i}.{name}.bias"] = _np(norm["bias"][i])
+    return config, t
+
+
+def _export_llama(cfg: ModelConfig, p: Params) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    H, K, D = cfg.n_heads, cfg.kv_heads, cfg.head_size
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
+        "max_position_embeddings": cfg.context_length, "hidden_size": cfg.d_model,
+        "intermediate_size": cfg.hidden_size, "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": H, "num_key_value_heads": K, "head_dim": D, "hidden_act": "silu",
+        "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_base, "attention_bias": False,
+        "mlp_bias": False, "attention_dropout": 0.0, "tie_word_embeddings": cfg.tie_embeddings,
+        "torch_dtype": "float32",
+        "rope_scaling": None if cfg.rope_scale == 1.0 else {"rope_type": "linear", "factor": cfg.rope_scale},
+    }
+    b = p["blocks"]
+    t = {"model.embed_tokens.weight": _np(p["token_embedding"]["embedding"]),
+         "model.norm.weight": _np(p["final_norm"]["scale"])}
+    if not cfg.tie_embeddings:
+        t["lm_head.weight"] = _np(np.asarray(p["lm_head"]["kernel"]).T)
+    for i in range(cfg.n_layers):
+        pre = f"model.layers.{i}."
+        qkv = np.asarray(b["attention"]["qkv"]["kernel"][i])
+        q, k, v = np.split(qkv, [H * D, (H + K) * D], axis=1)
+        for name, w in (("q", q), ("k", k), ("v", v)):
+            t[pre + f"self_attn.{name}_proj.weight"] = _np(w.T)
+        t[pre + "self_attn.o_proj.weight"] = _np(np.asarray(b["attention"]["out"]["kernel"][i]).T)
+        for name in ("up", "gate", "down"):
+            t[pre + f"mlp.{name}_proj.weight"] = _np(np.asarray(b["feed_forward"][name]["kernel"][i]).T)
+        t[pre + "input_layernorm.weight"] = _np(b["attention_norm"]["scale"][i])
+        t[pre + "post_attention_layernorm.weight"] = _np(b["feed_forward_norm"]["scale"][i])
+    return config, t
+
+
+def export_hf(cfg: ModelConfig, params: Params, out_dir: str | Path) -> Path:
+    """Write config.json and model.safetensors (float32) that transformers loads as GPT-2 or Llama."""
+    kind = _check_exportable(cfg)
+    if "blocks" not in params:
+        raise ValueError("export_hf expects the scanned parameter layout (a `blocks` entry)")
+    config, tensors = (_export_gpt2 if kind == "gpt2" else _export_llama)(cfg, params)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    _safetensors().save_file(tensors, str(out / WEIGHTS), metadata={"format": "pt"})
+    return out
+
+
+def import_hf_run(hf_dir: str | Path, out_dir: str | Path) -> Path:
+    """A run directory (config.toml, tokenizer.json if the HF dir has one, a step-0 checkpoint)."""
+    import dataclasses
+
+    import jax
+
+    from jaxgpt.checkpoint import Checkpointer
+    from jaxgpt.config import DataConfig, RunConfig
+    from jaxgpt.step import init_state
+
+    hf_dir, run_dir = Path(hf_dir), Path(out_dir)
+    if (run_dir / "checkpoints").exists() or (run_dir / "config.toml").exists():
+        raise ValueError(f"{run_dir} already holds a run; choose another --out")
+    model, params = import_hf(hf_dir)
+    tokenizer_src = hf_dir / "tokenizer.json"
+    data = DataConfig(tokenizer=str((run_dir / "tokenizer.json").absolute())) if tokenizer_src.is_file() \
+        else DataConfig()
+    cfg = RunConfig(model=model, data=data)
+    state = init_state(cfg, jax.random.key(0))
+    state = dataclasses.replace(state, params=params)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    manifest: dict[str, Any] = {"config": cfg.to_dict(), "imported_from": str(hf_dir.absolute())}
+    if tokenizer_src.is_file():
+        shutil.copyfile(tokenizer_src, run_dir / "tokenizer.json")
+        from jaxgpt.tokenizer import Tokenizer
+
+        manifest["tokenizer_sha256"] = Tokenizer.load(run_dir / "tokenizer.json").fingerprint
+    (run_dir / "config.toml").write_text(cfg.to_toml(), encoding="utf-8")
+    checkpointer = Checkpointer(run_dir, keep=cfg.train.keep_checkpoints)
+    try:
+        checkpointer.save(state, manifest)
+    finally:
+        checkpointer.close()
+    return run_dir

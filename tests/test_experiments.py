@@ -1,0 +1,76 @@
+"""The lesson-reproduction scripts in experiments/, run with tiny settings."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+EXPERIMENTS = Path(__file__).resolve().parent.parent / "experiments"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"experiments_{name}", EXPERIMENTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _written(tmp_path: Path, stem: str) -> dict:
+    assert (tmp_path / f"{stem}.png").stat().st_size > 0
+    return json.loads((tmp_path / f"{stem}.json").read_text())
+
+
+def test_depth_widget(tmp_path):
+    results = _load("depth_widget").main(tmp_path, max_depth=32)
+    assert _written(tmp_path, "depth_widget")["max_depth"] == 32
+    cases = results["cases"]
+    for c in (0.9, 1.1):
+        neither, norm = cases[f"c={c}/neither"], cases[f"c={c}/layernorm"]
+        residual, both = cases[f"c={c}/residual"], cases[f"c={c}/both"]
+        # Neither: the forward pass drifts geometrically (vanishes for c < 1, explodes for c > 1).
+        drift = neither["activation_rms"][-1] / results["input_rms"]
+        assert (drift < 0.2) if c < 1 else (drift > 10)
+        # Residual carries the gradient: at L = 32 the plain stack's is orders of magnitude smaller.
+        assert neither["grad_layer0"][-1] < 1e-3 * residual["grad_layer0"][-1]
+        # LayerNorm keeps the activation magnitude bounded at every layer.
+        assert 0.3 < min(norm["activation_rms"]) and max(norm["activation_rms"]) < 3
+        # Both: no explosion, and the gradient at layer 0 stays O(1) or more at every depth.
+        assert max(both["activation_rms"]) < 1e3 and min(both["grad_layer0"]) > 0.1
+        assert all(np.isfinite(v) for case in (neither, norm, residual, both) for v in case["grad_layer0"])
+    # The vanishing side of "neither": the gradient reaching layer 0 collapses towards 0.
+    assert cases["c=0.9/neither"]["grad_layer0"][-1] < 0.1 * cases["c=0.9/both"]["grad_layer0"][-1]
+    assert cases["c=0.9/neither"]["grad_layer0"][-1] < 0.05
+    split = results["params_per_block"]
+    assert split["mlp_8d2"] == 2 * split["attention_4d2"] == 8 * split["d_model"] ** 2
+
+
+def test_depth_widget_is_deterministic(tmp_path):
+    module = _load("depth_widget")
+    a = module.run_widget(max_depth=8, factors=(0.9,))
+    b = module.run_widget(max_depth=8, factors=(0.9,))
+    assert a == b
+
+
+def test_shortcut_gradients(tmp_path):
+    results = _load("shortcut_gradients").main(tmp_path, seeds=5)
+    saved = _written(tmp_path, "shortcut_gradients")
+    assert len(saved["per_seed"]) == 5
+    assert results["summary"]["median_ratio"] > 10
+    for row in results["per_seed"]:
+        assert row["ratio"] == pytest.approx(row["with"] / row["without"])
+
+
+def test_init_scale(tmp_path):
+    results = _load("init_scale").main(tmp_path, steps=2, batch_size=2)
+    saved = _written(tmp_path, "init_scale")
+    ln_v = saved["ln_V"]
+    assert ln_v == pytest.approx(math.log(1024))
+    wide, gpt2 = results["runs"]["1.0"], results["runs"]["0.02"]
+    assert wide["initial_loss"] > ln_v + 10
+    assert abs(gpt2["initial_loss"] - ln_v) < 0.1
+    assert len(wide["train_loss"]) == len(gpt2["train_loss"]) == 2

@@ -1,0 +1,220 @@
+"""Hugging Face import/export: logits and greedy generation match transformers on tiny random models."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import torch
+import transformers
+
+import jax
+
+from jaxgpt.config import ModelConfig
+from jaxgpt.generate import generate
+from jaxgpt.hf import export_hf, import_hf, import_hf_run
+from jaxgpt.model import forward, init_params
+
+VOCAB = 100
+TOL = 1e-4
+
+
+def _save(model, path):
+    model.eval()
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def _gpt2(path):
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=2, n_head=4,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    model = transformers.GPT2LMHeadModel(config)
+    with torch.no_grad():  # GPT-2 inits biases and norms to constants; make every weight matter
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return _save(model, path)
+
+
+def _llama(path, **options):
+    torch.manual_seed(1)
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=64, **options)
+    model = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    return _save(model, path)
+
+
+def _hf_logits(path, tokens):
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
+    model.eval()
+    with torch.no_grad():
+        return model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+
+
+def _tokens(seed, batch=2, length=24):
+    return np.random.default_rng(seed).integers(0, VOCAB, (batch, length), dtype=np.int32)
+
+
+MODELS = {
+    "gpt2": lambda p: _gpt2(p),
+    "llama_gqa_tied": lambda p: _llama(p, tie_word_embeddings=True),
+    "llama_linear_untied": lambda p: _llama(p, tie_word_embeddings=False, rope_theta=500.0,
+                                            rope_scaling={"rope_type": "linear", "factor": 2.0}),
+}
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def hf_model(request, tmp_path_factory):
+    path = MODELS[request.param](tmp_path_factory.mktemp(request.param))
+    cfg, params = import_hf(path)
+    return request.param, path, cfg, params
+
+
+def test_imported_config(hf_model):
+    name, _, cfg, params = hf_model
+    assert cfg.n_layers == 2 and cfg.d_model == 32 and cfg.vocab_size == VOCAB
+    shapes = jax.tree_util.tree_map(lambda a: a.shape, params)
+    expected = jax.tree_util.tree_map(lambda a: a.shape, init_params(cfg, jax.random.key(0)))
+    assert shapes == expected
+    if name == "gpt2":
+        assert (cfg.position, cfg.norm, cfg.feed_forward, cfg.bias, cfg.tie_embeddings) == \
+            ("learned", "layernorm", "gelu", True, True)
+    else:
+        assert (cfg.position, cfg.norm, cfg.feed_forward, cfg.kv_heads) == ("rope", "rmsnorm", "swiglu", 2)
+    if name == "llama_linear_untied":
+        assert (cfg.rope_scale, cfg.rope_base, cfg.tie_embeddings) == (2.0, 500.0, False)
+
+
+def test_logits_match_transformers(hf_model):
+    _, path, cfg, params = hf_model
+    tokens = _tokens(0)
+    ours = np.asarray(forward(params, cfg, tokens))
+    theirs = _hf_logits(path, tokens)
+    diff = float(np.abs(ours - theirs).max())
+    print(f"max abs logit diff {path.name}: {diff:.2e}")
+    assert diff <= TOL
+    assert float(np.abs(theirs).max()) > 0.05  # the comparison is not between near-zero logits
+
+
+def test_greedy_generation_matches_transformers(hf_model):
+    _, path, cfg, params = hf_model
+    prompt = _tokens(1, batch=1, length=8)
+    ours = generate(params, cfg, [prompt[0].tolist()], 32, temperature=0.0)[0]
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
+    model.eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor(prompt, dtype=torch.long), do_sample=False, max_new_tokens=32,
+                             min_new_tokens=32, pad_token_id=0, eos_token_id=None)
+    assert ours == out[0, 8:].tolist()
+
+
+def test_export_round_trip(hf_model, tmp_path):
+    _, path, cfg, params = hf_model
+    export_hf(cfg, params, tmp_path / "out")
+    tokens = _tokens(2)
+    np.testing.assert_allclose(_hf_logits(tmp_path / "out", tokens), _hf_logits(path, tokens), atol=1e-5, rtol=0)
+    cfg2, params2 = import_hf(tmp_path / "out")
+    assert cfg2 == cfg
+    jax.tree_util.tree_map(np.testing.assert_array_equal, params2, params)
+
+
+def test_native_model_exports(tmp_path):
+    """A model trained here (not imported) with Llama's options exports to the same logits."""
+    cfg = ModelConfig(vocab_size=VOCAB, context_length=32, d_model=32, n_heads=4, kv_heads=1, position="rope",
+                      norm="rmsnorm", feed_forward="swiglu", tie_embeddings=False, rope_scale=4.0)
+    params = init_params(cfg, jax.random.key(3))
+    export_hf(cfg, params, tmp_path)
+    tokens = _tokens(3)
+    diff = np.abs(_hf_logits(tmp_path, tokens) - np.asarray(forward(params, cfg, tokens))).max()
+    assert diff <= TOL
+
+
+def _edit_config(path, **changes):
+    config_path = path / "config.json"
+    config = json.loads(config_path.read_text())
+    config.update(changes)
+    config_path.write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("change, option", [
+    ({"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx"),
+    ({"activation_function": "relu"}, "activation_function"),
+])
+def test_unsupported_gpt2_options(tmp_path, change, option):
+    path = _gpt2(tmp_path)
+    _edit_config(path, **change)
+    with pytest.raises(ValueError, match=option):
+        import_hf(path)
+
+
+@pytest.mark.parametrize("change, option", [
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}, "rope_parameters": None}, "rope_scaling"),
+    ({"attention_bias": True}, "attention_bias"),
+    ({"head_dim": 16}, "head_dim"),
+    ({"model_type": "mistral"}, "model_type"),
+])
+def test_unsupported_llama_options(tmp_path, change, option):
+    path = _llama(tmp_path)
+    _edit_config(path, **change)
+    with pytest.raises(ValueError, match=option):
+        import_hf(path)
+
+
+@pytest.mark.parametrize("options, option", [
+    ({"residual": "post"}, "residual"),
+    ({"mtp_depth": 1}, "mtp_depth"),
+    ({"norm": "rmsnorm", "bias": True}, "norm"),
+    ({"position": "rope", "norm": "layernorm"}, "norm"),
+])
+def test_unexportable_configs(tmp_path, options, option):
+    cfg = ModelConfig(vocab_size=VOCAB, context_length=16, d_model=16, n_layers=1, n_heads=2, **options)
+    with pytest.raises(ValueError, match=option):
+        export_hf(cfg, init_params(cfg, jax.random.key(0)), tmp_path)
+
+
+def test_import_run_loads(tmp_path):
+    from jaxgpt.checkpoint import load_run
+
+    path = _llama(tmp_path / "hf", tie_word_embeddings=False)
+    cfg, params = import_hf(path)
+    import_hf_run(path, tmp_path / "run")
+    run_cfg, run_params = load_run(tmp_path / "run")
+    assert run_cfg == cfg
+    jax.tree_util.tree_map(np.testing.assert_array_equal, run_params, params)
+    with pytest.raises(ValueError, match="already holds a run"):
+        import_hf_run(path, tmp_path / "run")
+
+
+def test_cli_import_generate_export(tmp_path, capsys):
+    from jaxgpt.cli import main
+    from jaxgpt.tokenizer import Tokenizer, build_char
+
+    hf_dir = _gpt2(tmp_path / "hf")
+    build_char(["abcdefghijklmnopqrstuvwxyz \n"], VOCAB).save(hf_dir / "tokenizer.json")
+    run = tmp_path / "run"
+    assert main(["import-hf", str(hf_dir), "--out", str(run)]) == 0
+    assert (run / "tokenizer.json").is_file() and (run / "config.toml").is_file()
+
+    capsys.readouterr()
+    assert main(["generate", "--run", str(run), "--prompt", "abc", "--temperature", "0",
+                 "--max-new-tokens", "6"]) == 0
+    text = capsys.readouterr().out
+    tokenizer = Tokenizer.load(run / "tokenizer.json")
+    cfg, params = import_hf(hf_dir)
+    new = generate(params, cfg, [tokenizer.encode("abc").tolist()], 6, temperature=0.0,
+                   vocab_limit=tokenizer.vocab_size)[0]
+    assert text == "abc" + tokenizer.decode(new) + "\n"
+
+    out = tmp_path / "exported"
+    assert main(["export-hf", "--run", str(run), "--out", str(out)]) == 0
+    tokens = _tokens(4)
+    np.testing.assert_allclose(_hf_logits(out, tokens), _hf_logits(hf_dir, tokens), atol=1e-5, rtol=0)
+    assert (out / "tokenizer.json").read_bytes() == (hf_dir / "tokenizer.json").read_bytes()
+    assert main(["import-hf", str(hf_dir), "--out", str(run)]) == 2  # refuses to overwrite a run
