@@ -71,9 +71,12 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     import dataclasses
 
+    import functools
+
+    import jax
+
     from jaxgpt.checkpoint import load_run, load_run_config
-    from jaxgpt.runtime import make_runtime
-    from jaxgpt.step import TrainState
+    from jaxgpt.step import eval_step
     from jaxgpt.train import evaluate, prepare_data
 
     cfg = load_run_config(args.run)
@@ -83,8 +86,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, eval_batches=args.batches))
     data = prepare_data(cfg, Path(args.run))
     _, params = load_run(args.run)
-    single = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, parallel="single", fsdp=1))
-    result = evaluate(make_runtime(single), TrainState(step=None, params=params, opt_state=None), single, data)
+    loss = jax.jit(functools.partial(eval_step, cfg))
+    result = evaluate(lambda batch: loss(params, batch), cfg, data)
     print(json.dumps({"loss": result["val_loss"], "perplexity": result["val_perplexity"],
                       "bits_per_byte": result["val_bits_per_byte"], "batches": cfg.train.eval_batches}))
     return 0

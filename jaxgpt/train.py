@@ -17,7 +17,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -115,9 +115,10 @@ def check_fingerprints(expected: dict[str, Any], found: dict[str, Any], run_dir:
                          "trained on (--force continues on the new corpus)")
 
 
-def evaluate(runtime: Runtime, state: TrainState, cfg: RunConfig, data: RunData) -> dict[str, float]:
+def evaluate(batch_loss: Callable[[np.ndarray], jax.Array], cfg: RunConfig, data: RunData) -> dict[str, float]:
+    """Val loss, perplexity and bits per byte over the same `eval_batches` val batches every time."""
     window = window_length(cfg.model)
-    losses = [runtime.eval_loss(state, get_batch(data.tokens.val, seed=cfg.train.seed, step=i, stream=VAL_STREAM,
+    losses = [batch_loss(get_batch(data.tokens.val, seed=cfg.train.seed, step=i, stream=VAL_STREAM,
                                         batch_size=cfg.train.batch_size, window=window, split="val",
                                                     **_process_slice()))
               for i in range(cfg.train.eval_batches)]
@@ -263,7 +264,7 @@ def _loop(cfg: RunConfig, run_dir: Path, data: RunData, state: TrainState, runti
                 train_loss = _log_step(pending, cfg, writer, bar, throughput, run_dir, last_saved)
                 pending = None
             if at_eval:
-                last_eval = evaluate(runtime, state, cfg, data)
+                last_eval = evaluate(lambda batch: runtime.eval_loss(state, batch), cfg, data)
                 writer.write({"type": "eval", "step": done, **last_eval})
                 if cfg.train.sample_tokens:
                     writer.write({"type": "sample", "step": done,

@@ -143,25 +143,16 @@ def _edit_config(path, **changes):
     config_path.write_text(json.dumps(config))
 
 
-@pytest.mark.parametrize("change, option", [
-    ({"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx"),
-    ({"activation_function": "relu"}, "activation_function"),
+@pytest.mark.parametrize("family, change, option", [
+    ("gpt2", {"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx"),
+    ("gpt2", {"activation_function": "relu"}, "activation_function"),
+    ("llama", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}, "rope_parameters": None}, "rope_scaling"),
+    ("llama", {"attention_bias": True}, "attention_bias"),
+    ("llama", {"head_dim": 16}, "head_dim"),
+    ("llama", {"model_type": "mistral"}, "model_type"),
 ])
-def test_unsupported_gpt2_options(tmp_path, change, option):
-    path = _gpt2(tmp_path)
-    _edit_config(path, **change)
-    with pytest.raises(ValueError, match=option):
-        import_hf(path)
-
-
-@pytest.mark.parametrize("change, option", [
-    ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}, "rope_parameters": None}, "rope_scaling"),
-    ({"attention_bias": True}, "attention_bias"),
-    ({"head_dim": 16}, "head_dim"),
-    ({"model_type": "mistral"}, "model_type"),
-])
-def test_unsupported_llama_options(tmp_path, change, option):
-    path = _llama(tmp_path)
+def test_unsupported_options_are_named(tmp_path, family, change, option):
+    path = (_gpt2 if family == "gpt2" else _llama)(tmp_path)
     _edit_config(path, **change)
     with pytest.raises(ValueError, match=option):
         import_hf(path)
