@@ -7,15 +7,36 @@ the optimiser one averaged gradient per step.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from jaxgpt.config import TrainConfig
 
 
-def lr_schedule(cfg: TrainConfig) -> optax.Schedule:
+class OptHParams(NamedTuple):
+    """The optimiser hyperparameters a sweep may vary between members trained together.
+
+    Each field is a Python number (a single run: taken from the config) or a traced scalar (a
+    member of a vmapped sweep), and the optimiser does the same arithmetic on either, so a sweep
+    member's updates are a single run's.
+    """
+
+    lr: Any
+    min_lr: Any
+    warmup_steps: Any
+    weight_decay: Any
+    beta1: Any
+    beta2: Any
+
+    @classmethod
+    def from_config(cls, cfg: TrainConfig) -> OptHParams:
+        return cls(**{name: getattr(cfg, name) for name in cls._fields})
+
+
+def lr_schedule(cfg: TrainConfig, hparams: OptHParams | None = None) -> optax.Schedule:
     """nanoGPT's `get_lr`, indexed by optax's update count (0 for the first update).
 
     With W = warmup_steps and S = steps:
@@ -25,19 +46,18 @@ def lr_schedule(cfg: TrainConfig) -> optax.Schedule:
                                                    step W gets lr, step S gets min_lr
       n > S            min_lr
     When W >= S the run never leaves the warmup ramp (as in nanoGPT); steps past W get min_lr.
+    lr, min_lr and W come from `hparams` (default: the config), and may be traced; S is static.
     """
-    warmup, steps = cfg.warmup_steps, cfg.steps
-    # optax's linear ramp starts at init_value at step 0; starting it at lr / (W + 1) makes it
-    # exactly lr * (n + 1) / (W + 1), reaching lr at step W where the cosine takes over.
-    start = cfg.lr / (warmup + 1)
-    if steps > warmup:
-        return optax.warmup_cosine_decay_schedule(
-            init_value=start, peak_value=cfg.lr, warmup_steps=warmup,
-            decay_steps=steps, end_value=cfg.min_lr,
-        )
-    # optax's cosine part refuses a decay of zero or fewer steps.
-    ramp = optax.linear_schedule(start, cfg.lr, warmup)
-    return optax.join_schedules([ramp, optax.constant_schedule(cfg.min_lr)], [warmup])
+    hp = OptHParams.from_config(cfg) if hparams is None else hparams
+    lr, min_lr, warmup, steps = hp.lr, hp.min_lr, hp.warmup_steps, cfg.steps
+
+    def schedule(count: jax.Array) -> jax.Array:
+        ramp = lr * (count + 1) / (warmup + 1)
+        ratio = (count - warmup) / jnp.maximum(steps - warmup, 1)  # the divisor only guards W >= S
+        cosine = min_lr + 0.5 * (1.0 + jnp.cos(jnp.pi * ratio)) * (lr - min_lr)
+        return jnp.where(count < warmup, ramp, jnp.where(count >= steps, min_lr, cosine))
+
+    return schedule
 
 
 def _leaf_name(path: tuple[Any, ...]) -> str:
@@ -57,11 +77,16 @@ def decay_mask(params: Any) -> Any:
     return jax.tree_util.tree_map_with_path(lambda path, _: _leaf_name(path) == "kernel", params)
 
 
-def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
-    """clip_by_global_norm(clip_norm) (skipped when clip_norm == 0), then masked AdamW."""
+def make_optimizer(cfg: TrainConfig, hparams: OptHParams | None = None) -> optax.GradientTransformation:
+    """clip_by_global_norm(clip_norm) (skipped when clip_norm == 0), then masked AdamW.
+
+    `hparams` (default: the config's) may hold traced values: a vmapped sweep builds one
+    optimiser per member inside the traced step. The optimiser state does not depend on them.
+    """
+    hp = OptHParams.from_config(cfg) if hparams is None else hparams
     adamw = optax.adamw(
-        lr_schedule(cfg), b1=cfg.beta1, b2=cfg.beta2, eps=cfg.adam_eps,
-        weight_decay=cfg.weight_decay, mask=decay_mask,
+        lr_schedule(cfg, hp), b1=hp.beta1, b2=hp.beta2, eps=cfg.adam_eps,
+        weight_decay=hp.weight_decay, mask=decay_mask,
     )
     if cfg.clip_norm > 0:
         return optax.chain(optax.clip_by_global_norm(cfg.clip_norm), adamw)

@@ -15,7 +15,7 @@ import optax
 
 from jaxgpt.config import ModelConfig, RunConfig
 from jaxgpt.model import Params, forward, init_params
-from jaxgpt.optim import lr_schedule, make_optimizer
+from jaxgpt.optim import OptHParams, lr_schedule, make_optimizer
 
 
 @flax.struct.dataclass
@@ -53,18 +53,24 @@ def training_loss(depths: jax.Array, mtp_weight: float) -> jax.Array:
     return depths[0] + mtp_weight * depths[1:].mean()
 
 
-def train_step(cfg: RunConfig, state: TrainState, batch_BW: jax.Array,
-               axis_name: str | None = None) -> tuple[TrainState, dict[str, jax.Array]]:
+def train_step(cfg: RunConfig, state: TrainState, batch_BW: jax.Array, axis_name: str | None = None, *,
+               hparams: OptHParams | None = None,
+               seed: int | jax.Array | None = None) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimiser update from `grad_accum` equal micro-batches of the global batch.
 
     The micro-batch gradients are averaged, so the update equals one on the whole batch. Under
     `jax.pmap`, `axis_name` names the device axis: each device holds an equal share of the batch,
     its gradients are averaged over the devices before the update, and its dropout masks get a
     key of their own (so only with dropout 0 do the numbers equal one device's).
+
+    `hparams` and `seed` default to the config's; a vmapped sweep passes each member's as traced
+    values (`jaxgpt.sweep`), through this same code.
     """
     model, train = cfg.model, cfg.train
-    optimizer = make_optimizer(train)
-    dropout_key = jax.random.fold_in(jax.random.key(train.seed), state.step)
+    hparams = OptHParams.from_config(train) if hparams is None else hparams
+    optimizer = make_optimizer(train, hparams)
+    seed = train.seed if seed is None else seed
+    dropout_key = jax.random.fold_in(jax.random.key(seed), state.step)
     if axis_name is not None:
         dropout_key = jax.random.fold_in(dropout_key, jax.lax.axis_index(axis_name))
     micro_ABW = batch_BW.reshape(train.grad_accum, -1, batch_BW.shape[-1])
@@ -91,7 +97,7 @@ def train_step(cfg: RunConfig, state: TrainState, batch_BW: jax.Array,
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     metrics = {"loss": depths[0], "grad_norm": optax.tree.norm(grads),
-               "lr": lr_schedule(train)(state.step)}
+               "lr": lr_schedule(train, hparams)(state.step)}
     if model.mtp_depth:
         metrics["mtp_loss"] = depths[1:].mean()
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics

@@ -117,12 +117,25 @@ def check_fingerprints(expected: dict[str, Any], found: dict[str, Any], run_dir:
 
 def evaluate(batch_loss: Callable[[np.ndarray], jax.Array], cfg: RunConfig, data: RunData) -> dict[str, float]:
     """Val loss, perplexity and bits per byte over the same `eval_batches` val batches every time."""
-    window = window_length(cfg.model)
-    losses = [batch_loss(get_batch(data.tokens.val, seed=cfg.train.seed, step=i, stream=VAL_STREAM,
-                                        batch_size=cfg.train.batch_size, window=window, split="val",
-                                                    **_process_slice()))
-              for i in range(cfg.train.eval_batches)]
-    loss = float(np.mean(jax.device_get(losses)))
+    losses = [batch_loss(val_batch(cfg, data, i, cfg.train.seed)) for i in range(cfg.train.eval_batches)]
+    return eval_summary(np.asarray(jax.device_get(losses)), data)
+
+
+def train_batch(cfg: RunConfig, data: RunData, step: int, seed: int) -> np.ndarray:
+    """This process's rows of the train batch of `step` for a run with train.seed = `seed`."""
+    return get_batch(data.tokens.train, seed=seed, step=step, stream=TRAIN_STREAM,
+                     batch_size=cfg.train.batch_size, window=window_length(cfg.model), **_process_slice())
+
+
+def val_batch(cfg: RunConfig, data: RunData, index: int, seed: int) -> np.ndarray:
+    """This process's rows of val batch `index` (the same batches at every eval)."""
+    return get_batch(data.tokens.val, seed=seed, step=index, stream=VAL_STREAM, batch_size=cfg.train.batch_size,
+                     window=window_length(cfg.model), split="val", **_process_slice())
+
+
+def eval_summary(batch_losses: np.ndarray, data: RunData) -> dict[str, float]:
+    """The eval record of one run from its per-batch val losses [eval_batches]."""
+    loss = float(np.mean(batch_losses))
     return {"val_loss": loss, "val_perplexity": math.exp(min(loss, 700.0)),
             "val_bits_per_byte": loss / math.log(2) / data.tokens.val_bytes_per_token}
 
@@ -229,7 +242,6 @@ def _loop(cfg: RunConfig, run_dir: Path, data: RunData, state: TrainState, runti
           checkpointer: Checkpointer, expected: dict[str, Any], stop: StopSignals, progress: bool,
           main_process: bool) -> dict[str, Any]:
     start, total = int(runtime.to_saved(state).step), cfg.train.steps
-    window = window_length(cfg.model)
     tokens_per_step = cfg.train.batch_size * cfg.model.context_length
     n_params = count_params(runtime.params(state))
     last_saved = checkpointer.latest_step()
@@ -251,8 +263,7 @@ def _loop(cfg: RunConfig, run_dir: Path, data: RunData, state: TrainState, runti
                           **runtime.describe(state)})
         pending: tuple[int, dict] | None = None  # read a step's metrics after dispatching the next
         for step in range(start, total):
-            batch = get_batch(data.tokens.train, seed=cfg.train.seed, step=step, stream=TRAIN_STREAM,
-                              batch_size=cfg.train.batch_size, window=window, **_process_slice())
+            batch = train_batch(cfg, data, step, cfg.train.seed)
             state, metrics = runtime.train_step(state, batch)
             if pending is not None:
                 train_loss = _log_step(pending, cfg, writer, bar, throughput, run_dir, last_saved)

@@ -1,0 +1,198 @@
+"""Sweeps: vmapped members equal their single runs, one compile per group, the report and its
+verdicts, resuming a sweep, and clear errors for bad sweep files."""
+
+import json
+import math
+import random
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxgpt import sweep as sweep_module
+from jaxgpt.checkpoint import load_run
+from jaxgpt.cli import main
+from jaxgpt.config import ConfigError, TrainConfig
+from jaxgpt.metrics import read_metrics
+from jaxgpt.optim import OptHParams, lr_schedule
+from jaxgpt.sweep import (group_members, load_sweep, members, run_sweep, stack_hparams, summarise,
+                          train_group, verdict)
+from jaxgpt.train import prepare_data, train
+
+BASE = """
+[model]
+vocab_size = 64
+context_length = 16
+d_model = 32
+n_layers = 1
+n_heads = 4
+
+[data]
+source = {corpus}
+tokenizer = "char"
+
+[train]
+steps = 6
+batch_size = 4
+lr = 3e-3
+min_lr = 3e-4
+warmup_steps = 2
+eval_every = 3
+eval_batches = 2
+log_every = 2
+sample_tokens = 0
+checkpoint_every = 6
+parallel = "single"
+"""
+# Every optimiser value the sweep traces differs from the base config's.
+LR_VARIANT = ["train.lr=1e-2", "train.min_lr=1e-3", "train.warmup_steps=3", "train.weight_decay=0.05",
+              "train.beta1=0.8", "train.beta2=0.95"]
+
+
+@pytest.fixture(scope="module")
+def base_file(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("sweep")
+    rng = random.Random(0)
+    words = ["the", "cat", "sat", "on", "a", "mat", "and", "dog", "ran", "to", "it", "was", "red"]
+    lines = [" ".join(rng.choice(words) for _ in range(12)) + "." for _ in range(300)]
+    (folder / "corpus.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    base = folder / "base.toml"
+    base.write_text(BASE.format(corpus=json.dumps(str(folder / "corpus.txt"))), encoding="utf-8")
+    return base
+
+
+def write_sweep(folder: Path, text: str, name: str = "s.toml") -> Path:
+    path = folder / name
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def sweep_text(base: Path, seeds: int, *variants: tuple[str, list[str]]) -> str:
+    tables = "".join(f'\n[[variant]]\nname = "{name}"\nset = {json.dumps(sets)}\n' for name, sets in variants)
+    return f'base = {json.dumps(str(base))}\nseeds = {seeds}\n{tables}'
+
+
+def single_run(cfg, out: Path) -> tuple[dict, list[dict], dict]:
+    summary = train(cfg, out, progress=False)
+    evals = [r for r in read_metrics(out / "metrics.jsonl") if r["type"] == "eval"]
+    return summary, evals, load_run(out)[1]
+
+
+def test_three_seeds_compile_once_and_equal_their_single_runs(base_file, tmp_path):
+    sweep = load_sweep(write_sweep(tmp_path, sweep_text(base_file, 3, ("baseline", []))))
+    runs = members(sweep)
+    assert [m.seed for m in runs] == [0, 1, 2] and len(group_members(runs)) == 1
+    data = prepare_data(runs[0].config, tmp_path)
+    sweep_module.TRACES.update(train=0, eval=0)
+    result = train_group(runs, data, progress=False)
+    assert sweep_module.TRACES == {"train": 1, "eval": 1}  # one compiled step for all three seeds
+    finals = []
+    for index, member in enumerate(runs):
+        summary, evals, params = single_run(member.config, tmp_path / f"seed{member.seed}")
+        mine = jax.tree_util.tree_map(lambda leaf: leaf[index], result.state.params)
+        # Batched and unbatched matmuls sum in different orders; Adam's division by sqrt(v) turns those
+        # last-bit gradient differences into parameter differences of up to ~1e-4 of lr (3e-3).
+        jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=2e-6), mine, params)
+        assert [e["step"] for e in result.evals[index]] == [e["step"] for e in evals] == [3, 6]
+        np.testing.assert_allclose([e["val_loss"] for e in result.evals[index]], [e["val_loss"] for e in evals],
+                                   rtol=1e-5)
+        assert result.train_loss[index] == pytest.approx(summary["train_loss"], rel=1e-5)
+        finals.append(summary["val_loss"])
+    assert len(set(finals)) == 3  # the seeds really differ
+
+
+def test_optimiser_variant_vmapped_with_baseline_equals_its_single_run(base_file, tmp_path, capsys):
+    path = write_sweep(tmp_path, sweep_text(base_file, 1, ("baseline", []), ("hot", LR_VARIANT),
+                                            ("rms", ["model.norm=rmsnorm"])))
+    sweep_module.TRACES.update(train=0, eval=0)
+    out = tmp_path / "out"
+    assert main(["sweep", str(path), "--out", str(out), "--no-progress"]) == 0
+    assert sweep_module.TRACES["train"] == 2  # {baseline, hot} together, then rms
+    assert "| hot |" in capsys.readouterr().out
+    records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert [(r["variant"], r["seed"], r["group_members"]) for r in records] == [
+        ("baseline", 0, 2), ("hot", 0, 2), ("rms", 0, 1)]
+    hot = records[1]
+    summary, evals, _ = single_run(load_sweep(path).variants[1].config, tmp_path / "hot")
+    assert hot["val_loss"] == pytest.approx(summary["val_loss"], rel=1e-5)
+    assert hot["train_loss"] == pytest.approx(summary["train_loss"], rel=1e-5)
+    np.testing.assert_allclose([e["val_bits_per_byte"] for e in hot["evals"]],
+                               [e["val_bits_per_byte"] for e in evals], rtol=1e-5)
+    assert abs(hot["val_loss"] - records[0]["val_loss"]) > 1e-3  # its own hyperparameters took effect
+    table = (out / "results.md").read_text()
+    assert "seed spread (max − min)" in table and "| baseline |" in table and "| rms |" in table
+    assert (out / "val_loss.png").stat().st_size > 1000
+
+
+def test_a_rerun_skips_finished_members_and_more_seeds_run_only_the_new_ones(base_file, tmp_path):
+    path = write_sweep(tmp_path, sweep_text(base_file, 1, ("baseline", []), ("hot", ["train.lr=1e-2"])))
+    out = tmp_path / "out"
+    sweep_module.TRACES.update(train=0, eval=0)
+    first = run_sweep(load_sweep(path), out, progress=False)
+    assert sweep_module.TRACES["train"] == 1
+    again = run_sweep(load_sweep(path), out, progress=False)
+    assert again == first and sweep_module.TRACES["train"] == 1  # nothing retrained
+    more = run_sweep(load_sweep(path, seeds=2), out, progress=False)
+    assert sweep_module.TRACES["train"] == 2
+    assert [(r["variant"], r["seed"]) for r in more] == [("baseline", 0), ("baseline", 1), ("hot", 0), ("hot", 1)]
+    assert more[0] == first[0] and more[1]["group_members"] == 2  # the two new seeds trained together
+
+
+def test_traced_schedule_equals_each_members_schedule():
+    configs = [TrainConfig(steps=20, lr=1e-3, min_lr=1e-4, warmup_steps=5),
+               TrainConfig(steps=20, lr=3e-3, min_lr=0.0, warmup_steps=0),
+               TrainConfig(steps=20, lr=2e-3, min_lr=2e-4, warmup_steps=30)]  # warmup longer than the run
+    hparams = stack_hparams(configs)
+    counts = jnp.arange(25)
+    traced = jax.jit(jax.vmap(lambda hp: jax.vmap(lr_schedule(configs[0], hp))(counts)))(hparams)
+    for row, cfg in zip(np.asarray(traced), configs):
+        np.testing.assert_allclose(row, [float(lr_schedule(cfg)(n)) for n in range(25)], rtol=1e-5)
+    assert OptHParams.from_config(configs[1]).warmup_steps == 0
+
+
+def test_verdict_needs_a_gap_beyond_the_baseline_seed_spread():
+    assert verdict(-0.02, 0.01, 3) == "better"
+    assert verdict(0.02, 0.01, 3) == "worse"
+    assert verdict(-0.01, 0.01, 3) == "within noise"  # not beyond the spread
+    assert verdict(0.004, 0.01, 3) == "within noise"
+    assert verdict(0.5, 0.0, 1) == "no noise estimate (1 seed)"
+    assert verdict(math.nan, 0.01, 3) == "diverged"
+
+
+def test_summary_rows_gap_spread_and_baseline(base_file, tmp_path):
+    path = write_sweep(tmp_path, sweep_text(base_file, 3, ("first", []), ("baseline", ["train.lr=1e-2"]),
+                                            ("worse", ["train.lr=2e-2"])))
+    sweep = load_sweep(path)
+    assert sweep.baseline == "baseline"  # named baseline wins over the first
+    bpb = {"first": [1.50, 1.52, 1.51], "baseline": [1.60, 1.62, 1.61], "worse": [1.70, 1.71, 1.72]}
+    records = [{"variant": name, "val_bits_per_byte": v, "parameters": 10} for name, vs in bpb.items() for v in vs]
+    rows = {row["variant"]: row for row in summarise(sweep, records)}
+    assert rows["baseline"]["verdict"] == "baseline" and rows["baseline"]["spread"] == pytest.approx(0.02)
+    assert rows["first"]["gap"] == pytest.approx(-0.10) and rows["first"]["verdict"] == "better"
+    assert rows["worse"]["mean"] == pytest.approx(1.71) and rows["worse"]["verdict"] == "worse"
+
+
+@pytest.mark.parametrize("text,message", [
+    ('seeds = 2\nvariants = []\n', "unknown key 'variants' (did you mean 'variant'?)"),
+    ('[[variant]]\nname = "a"\nsett = []\n', "variant 'a': unknown key 'sett' (did you mean 'set'?)"),
+    ('[[variant]]\nname = "a"\n[[variant]]\nname = "a"\n', "variant name 'a' is used twice"),
+    ('[[variant]]\nname = "a"\n[[variant]]\nname = "b"\nset = ["model.norm=batchnorm"]\n',
+     "variant 'b': model.norm = 'batchnorm' is not one of layernorm, rmsnorm"),
+    ('[[variant]]\nname = "a"\nset = ["train.lrr=1"]\n', "variant 'a': unknown config key train.lrr"),
+    ('[[variant]]\nname = "a"\nset = "model.norm=rmsnorm"\n', "variant 'a': set must be a list"),
+    ('[[variant]]\nset = []\n', "[[variant]] #1: needs a name"),
+    ('seeds = 0\n[[variant]]\nname = "a"\n', "seeds must be an integer >= 1"),
+    ('base = "missing.toml"\n[[variant]]\nname = "a"\n', "base config not found"),
+    ('set = ["nodot=1"]\n[[variant]]\nname = "a"\n', "set: override 'nodot=1' must look like section.key=value"),
+    ('seeds = 2\n', "needs at least one [[variant]]"),
+])
+def test_bad_sweep_files_are_clear_errors(text, message, tmp_path, capsys):
+    path = write_sweep(tmp_path, text)
+    with pytest.raises(ConfigError) as err:
+        load_sweep(path)
+    assert message in str(err.value) and str(path) in str(err.value)
+    assert main(["sweep", str(path), "--out", str(tmp_path / "out")]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
