@@ -236,17 +236,27 @@ def build_config(raw: dict[str, Any]) -> RunConfig:
     return RunConfig(**sections)
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
-    """Load a TOML config (or the defaults when `path` is None) and apply `section.key=value` overrides."""
-    raw: dict[str, dict[str, Any]] = {}
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
+                base: RunConfig | None = None) -> RunConfig:
+    """Load a TOML config and apply `section.key=value` overrides.
+
+    Keys the file and the overrides leave out take the built-in defaults, or `base`'s values
+    when given (`train --init-from` starts from the imported checkpoint's model section).
+    """
+    raw: dict[str, dict[str, Any]] = base.to_dict() if base is not None else {}
     if path is not None:
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"config file not found: {path}")
         try:
-            raw = tomllib.loads(path.read_text(encoding="utf-8"))
+            loaded = tomllib.loads(path.read_text(encoding="utf-8"))
         except tomllib.TOMLDecodeError as err:
             raise ConfigError(f"{path}: invalid TOML: {err}") from None
+        for section, values in loaded.items():
+            if isinstance(values, dict) and isinstance(raw.get(section), dict):
+                raw[section].update(values)
+            else:
+                raw[section] = values
     for item in overrides:
         section, key, value = _parse_override(item)
         if section not in SECTIONS:

@@ -1,25 +1,34 @@
-"""Sampling from the decoder: greedy, temperature, top-k, top-p, with a KV cache.
+"""Sampling from the decoder: greedy, temperature, top-k, top-p, on a KV cache, compiled end to end.
 
     tokens_B = sample_logits(logits_BV, rng, temperature=0.8, top_k=50, top_p=0.95)
-    for new_B in generate_tokens(params, cfg, prompts, 100, seed=0): ...   # one step at a time
+    for new_B in generate_tokens(params, cfg, prompts, 100, seed=0): ...   # streamed in chunks
     continuations = generate(params, cfg, prompts, 100, temperature=0.0)  # list[list[int]]
+    generate(params, cfg, prompts, 100, temperature=0.0, speculative=True) # same tokens, fewer passes
 
 How a batch is decoded (each rule keeps one sequence's tokens independent of its batchmates):
-- Prompts are cropped to their last `context_length` tokens, right-padded to a bucket (the next
-  power of two, at most `context_length`) and prefilled together; each row's cache index is then
+- Prompts (at most `context_length` tokens: a longer one is an error, not a silent crop) are
+  right-padded to a bucket (the next power of two, at most `context_length`) and prefilled together; each row's cache index is then
   set to its own length, so its later writes overwrite the padding (attention never reads keys
   past the query's position).
+- The decode loop is a `lax.while_loop` on device: one forward pass per iteration for every row,
+  the whole sequence kept in a device buffer. The host only asks for "decode until every row has
+  N new tokens", so streaming costs one call per chunk, not one per token.
 - The cache holds `context_length` positions. When a row's cache is full and another token must
   go in, that row alone slides: its cache is rebuilt by prefilling the last
   `max(1, context_length // 2)` tokens of its sequence (the new token included), and decoding
   continues from there. So the window a prediction sees is the sequence from the row's last slide
   point on, never longer than `context_length`: nanoGPT's crop, but re-encoded only every
   `context_length // 2` steps instead of every step.
+- Speculative decoding (greedy, `mtp_depth >= 1`): the MTP adapters read at a row's newest
+  position draft the `mtp_depth` tokens after the next one; one cached forward pass over the
+  pending token and its drafts gives the greedy token at each of those positions; drafts are kept
+  while they equal it. A pass yields 1 to 1 + mtp_depth tokens, exactly plain greedy's.
 - Steps draw from `fold_in(key(seed), step)`, so a seed fixes the samples.
 
 Compiled functions are module-level `jax.jit`s with the config and sampling options static, so
-repeated calls (a sample at every eval) reuse them: one decode step per (cfg, batch, options), one
-prefill per (cfg, batch, bucket, options).
+repeated calls (a sample at every eval) reuse them: one prefill per (cfg, batch, bucket,
+buffer size, options) and one decode loop per (cfg, batch, buffer size, options); the buffer
+size is a power of two.
 """
 
 from __future__ import annotations
@@ -88,49 +97,150 @@ def sample_logits(
     return jax.random.categorical(rng, logits_BV, axis=-1).astype(jnp.int32)
 
 
-_STATIC = ("cfg", "temperature", "top_k", "top_p", "vocab_limit")
+_STATIC = ("cfg", "temperature", "top_k", "top_p", "vocab_limit", "draft")
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC)
-def _prefill(
-    params: Params, tokens_BP: jax.Array, lengths_B: jax.Array, key: jax.Array, step: jax.Array,
-    *, cfg: ModelConfig, temperature: float, top_k: int | None, top_p: float | None, vocab_limit: int | None,
-) -> tuple[jax.Array, Cache]:
-    """Fresh cache from right-padded rows; sample each row's next token at its own length."""
-    B, _ = tokens_BP.shape
-    cache = init_cache(cfg, B, cfg.context_length)
-    logits_BPV, cache = forward_cached(params, cfg, tokens_BP, cache)
+def _cache_for(cfg: ModelConfig, batch: int, draft: int) -> Cache:
+    """context_length positions, plus `draft` slots a speculative block may write past the end."""
+    cache = init_cache(cfg, batch, cfg.context_length)
+    if draft:
+        pad = ((0, 0), (0, 0), (0, draft), (0, 0), (0, 0))
+        cache = {**cache, "k": jnp.pad(cache["k"], pad), "v": jnp.pad(cache["v"], pad)}
+    return cache
+
+
+def _at(x_BT: jax.Array, pos_B: jax.Array) -> jax.Array:
+    """Row b's entry at position pos_B[b] along axis 1 (x_BT[b, pos_B[b], ...])."""
+    pos = pos_B.reshape(pos_B.shape + (1,) * (x_BT.ndim - 1))
+    return jnp.take_along_axis(x_BT, pos, axis=1)[:, 0]
+
+
+def _next_tokens(logits: jax.Array, pos_B: jax.Array, rng: jax.Array, draft: int,
+                 options: dict[str, Any]) -> tuple[jax.Array, jax.Array]:
+    """The sampled next token [B] at each row's position, and the adapters' greedy drafts [B, draft]."""
+    main = logits[0] if draft else logits
+    tokens_B = sample_logits(_at(main, pos_B), rng, **options)
+    if not draft:
+        return tokens_B, jnp.zeros((pos_B.shape[0], 0), jnp.int32)
+    ahead_DBV = jax.vmap(lambda l: _at(l, pos_B))(logits[1: 1 + draft])
+    return tokens_B, jnp.argmax(ahead_DBV, axis=-1).T.astype(jnp.int32)
+
+
+def _select(take_B: jax.Array, a: Any, b: Any) -> Any:
+    """Per row: `a` where take_B, else `b`. Cache k/v carry the batch on axis 1, the rest on axis 0."""
+    def pick(x, y):
+        axis = 1 if x.ndim == 5 else 0
+        shape = [1] * x.ndim
+        shape[axis] = -1
+        return jnp.where(take_B.reshape(shape), x, y)
+    return jax.tree_util.tree_map(pick, a, b)
+
+
+def _append(state: dict[str, Any], block_BJ: jax.Array, n_new_B: jax.Array, stop_token: jax.Array) -> dict[str, Any]:
+    """Write each row's first n_new tokens of `block` at its end; a stop token among them ends the row."""
+    length_B = state["length"]
+    seq = jax.vmap(lambda row, new, at: jax.lax.dynamic_update_slice(row, new, (at,)))(
+        state["seq"], block_BJ, length_B)
+    hit_BJ = (block_BJ == stop_token) & (jnp.arange(block_BJ.shape[1]) < n_new_B[:, None])
+    first_B = jnp.argmax(hit_BJ, axis=1)
+    end_B = jnp.where(hit_BJ.any(axis=1), jnp.minimum(state["end"], length_B + first_B + 1), state["end"])
+    return {**state, "seq": seq, "length": length_B + n_new_B, "end": end_B}
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC + ("size",))
+def _start(
+    params: Params, tokens_BP: jax.Array, lengths_B: jax.Array, max_new: jax.Array, stop_token: jax.Array,
+    key: jax.Array, *, size: int, cfg: ModelConfig, temperature: float, top_k: int | None,
+    top_p: float | None, vocab_limit: int | None, draft: int,
+) -> dict[str, Any]:
+    """Prefill right-padded prompts and sample each row's first token at its own length."""
+    options = dict(temperature=temperature, top_k=top_k, top_p=top_p, vocab_limit=vocab_limit)
+    B, P = tokens_BP.shape
+    logits, cache = forward_cached(params, cfg, tokens_BP, _cache_for(cfg, B, draft), all_depths=draft > 0,
+                                   fresh=True)
     cache["index"] = lengths_B  # each row's later writes start at its true end, over the padding
-    last_BV = jnp.take_along_axis(logits_BPV, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
-    tokens_B = sample_logits(last_BV, jax.random.fold_in(key, step),
-                             temperature=temperature, top_k=top_k, top_p=top_p, vocab_limit=vocab_limit)
-    return tokens_B, cache
-
-
-@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("cache",))
-def _decode(
-    params: Params, cache: Cache, tokens_B: jax.Array, key: jax.Array, step: jax.Array,
-    *, cfg: ModelConfig, temperature: float, top_k: int | None, top_p: float | None, vocab_limit: int | None,
-) -> tuple[jax.Array, Cache]:
-    """Feed one token per row and sample the next: the step compiled once per (cfg, B, options)."""
-    logits_B1V, cache = forward_cached(params, cfg, tokens_B[:, None], cache)
-    tokens_B = sample_logits(logits_B1V[:, 0], jax.random.fold_in(key, step),
-                             temperature=temperature, top_k=top_k, top_p=top_p, vocab_limit=vocab_limit)
-    return tokens_B, cache
-
-
-@jax.jit
-def _select_rows(
-    take_B: jax.Array, a: tuple[jax.Array, Cache], b: tuple[jax.Array, Cache]
-) -> tuple[jax.Array, Cache]:
-    """Per row: `a` where take_B, else `b`. Cache k/v have the batch on axis 1, the rest on axis 0."""
-    (tok_a, cache_a), (tok_b, cache_b) = a, b
-    kv_take = take_B[None, :, None, None, None]
-    return jnp.where(take_B, tok_a, tok_b), {
-        "k": jnp.where(kv_take, cache_a["k"], cache_b["k"]),
-        "v": jnp.where(kv_take, cache_a["v"], cache_b["v"]),
-        "index": jnp.where(take_B, cache_a["index"], cache_b["index"]),
+    tokens_B, drafts_BD = _next_tokens(logits, lengths_B - 1, jax.random.fold_in(key, 0), draft, options)
+    state = {
+        "seq": jnp.zeros((B, size), jnp.int32).at[:, :P].set(tokens_BP),
+        "length": lengths_B, "prompt_length": lengths_B, "end": lengths_B + max_new,
+        "cache": cache, "drafts": drafts_BD, "step": jnp.ones((), jnp.int32),
+        "drafted": jnp.zeros((), jnp.int32), "accepted": jnp.zeros((), jnp.int32),
     }
+    return _append(state, tokens_B[:, None], jnp.ones_like(lengths_B), stop_token)
+
+
+def _step(params: Params, state: dict[str, Any], stop_token: jax.Array, key: jax.Array, *,
+          cfg: ModelConfig, draft: int, **options: Any) -> dict[str, Any]:
+    """One forward pass per row: feed the pending token (and its drafts), append what it yields.
+
+    The cache holds the row's window but its last token (`pending`, seq[length - 1]). A row whose
+    cache is full slides instead: it re-prefills its last `slide_length` tokens. With drafts, the
+    greedy tokens at each fed position are the plain greedy continuation; the drafts that equal
+    them are accepted (never past the window's end, where plain decoding would slide), and the
+    first greedy token that differs from its draft comes free with them.
+    """
+    C, W = cfg.context_length, slide_length(cfg)
+    seq_BN, length_B, cache = state["seq"], state["length"], state["cache"]
+    active_B = length_B < state["end"]
+    full_B = cache["index"] >= C
+    rng = jax.random.fold_in(key, state["step"])
+    pending_B = _at(seq_BN, length_B - 1)
+    fed_BJ = jnp.concatenate([pending_B[:, None], state["drafts"]], axis=1)
+    logits, stepped_cache = forward_cached(params, cfg, fed_BJ, cache, all_depths=draft > 0)
+    if draft:
+        greedy_BJ = jnp.argmax(logits[0], axis=-1).astype(jnp.int32)
+        agree_B = jnp.cumprod(greedy_BJ[:, :draft] == state["drafts"], axis=1).sum(axis=1)
+        agree_B = jnp.clip(agree_B, 0, C - 1 - cache["index"]).astype(jnp.int32)
+        _, drafts_BD = _next_tokens(logits, agree_B, rng, draft, options)
+        stepped = (greedy_BJ, agree_B + 1, drafts_BD)
+    else:
+        tokens_B, drafts_BD = _next_tokens(logits, jnp.zeros_like(length_B), rng, draft, options)
+        stepped = (tokens_B[:, None], jnp.ones_like(length_B), drafts_BD)
+        agree_B = jnp.zeros_like(length_B)
+    stepped_cache = {**stepped_cache, "index": cache["index"] + stepped[1]}
+
+    def slide(_):
+        window_BW = jax.vmap(lambda row, at: jax.lax.dynamic_slice(row, (at,), (W,)))(
+            seq_BN, jnp.maximum(length_B - W, 0))
+        logits, fresh = forward_cached(params, cfg, window_BW, _cache_for(cfg, seq_BN.shape[0], draft),
+                                       all_depths=draft > 0, fresh=True)
+        tokens_B, drafts_BD = _next_tokens(logits, jnp.full_like(length_B, W - 1), rng, draft, options)
+        block_BJ = jnp.zeros_like(stepped[0]).at[:, 0].set(tokens_B)
+        return _select(full_B, ((block_BJ, jnp.ones_like(length_B), drafts_BD), fresh), (stepped, stepped_cache))
+
+    (block_BJ, n_new_B, drafts_BD), new_cache = jax.lax.cond(
+        (full_B & active_B).any(), slide, lambda _: (stepped, stepped_cache), None)
+    counted_B = active_B & ~full_B
+    new = _append({**state, "cache": new_cache, "drafts": drafts_BD}, block_BJ, n_new_B, stop_token)
+    new["step"] = state["step"] + 1
+    new["drafted"] = state["drafted"] + draft * counted_B.sum(dtype=jnp.int32)
+    new["accepted"] = state["accepted"] + jnp.where(counted_B, agree_B, 0).sum(dtype=jnp.int32)
+    # A finished row stays where it was. Its later writes land at or past its end, in sequence
+    # slots and cache positions nothing reads again, so only its counters need holding (selecting
+    # whole caches would cost more than the step's matmuls at batch one).
+    new["length"] = jnp.where(active_B, new["length"], length_B)
+    new["drafts"] = jnp.where(active_B[:, None], new["drafts"], state["drafts"])
+    new["cache"] = {**new["cache"], "index": jnp.where(active_B, new["cache"]["index"], cache["index"])}
+    return new
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("state",))
+def _advance(
+    params: Params, state: dict[str, Any], target: jax.Array, stop_token: jax.Array, key: jax.Array, *,
+    cfg: ModelConfig, temperature: float, top_k: int | None, top_p: float | None, vocab_limit: int | None,
+    draft: int,
+) -> dict[str, Any]:
+    """Decode on device until every unfinished row holds at least `target` new tokens."""
+    options = dict(temperature=temperature, top_k=top_k, top_p=top_p, vocab_limit=vocab_limit)
+
+    def unfinished(s):
+        goal_B = jnp.minimum(s["end"], s["prompt_length"] + target)
+        return (s["length"] < goal_B).any()
+
+    def step(s):
+        return _step(params, s, stop_token, key, cfg=cfg, draft=draft, **options)
+
+    return jax.lax.while_loop(unfinished, step, state)
 
 
 def bucket_length(length: int, context_length: int) -> int:
@@ -156,6 +266,11 @@ def _check_prompts(cfg: ModelConfig, prompts: Sequence[Any]) -> list[np.ndarray]
             )
         if not np.issubdtype(p.dtype, np.integer):
             raise ValueError(f"prompt {i} must hold integer token IDs, got dtype {p.dtype}")
+        if p.size > cfg.context_length:
+            raise ValueError(
+                f"prompt {i} has {p.size} tokens, more than model.context_length = {cfg.context_length}: "
+                f"shorten it (the model never sees more than its last {cfg.context_length} tokens)"
+            )
         if p.min() < 0 or p.max() >= cfg.vocab_size:
             raise ValueError(
                 f"prompt {i} has token IDs outside [0, {cfg.vocab_size}) (model.vocab_size): "
@@ -177,12 +292,21 @@ def generate_tokens(
     seed: int = 0,
     stop_token: int | None = None,
     vocab_limit: int | None = None,
+    speculative: bool = False,
+    chunk: int | None = 16,
+    stats: dict[str, Any] | None = None,
 ) -> Iterator[np.ndarray]:
-    """Yield, per decoding step, the new token of each sequence as a numpy int32 array [B].
+    """Yield the new token of each sequence, one position at a time, as numpy int32 arrays [B].
 
-    A row that has produced `stop_token` is finished: it yields FINISHED (-1) from the next step
-    on, and the generator ends early once every row is finished. Bad arguments raise ValueError
-    here, at the call, not at the first `next()`.
+    The decoding runs on device in compiled chunks of `chunk` new tokens per row (None: all of
+    them in one call); the tokens of a chunk are yielded as soon as it is done, so a caller can
+    stream them. A row that has produced `stop_token` is finished: it yields FINISHED (-1) from
+    the next position on, and the generator ends once every row is finished.
+
+    `speculative` (greedy only, needs `mtp_depth >= 1`): the MTP adapters draft the next
+    `mtp_depth` tokens and one forward pass verifies them; the output equals plain greedy
+    decoding. `stats`, if given, is filled at the end with forward_passes, drafted, accepted and
+    acceptance_rate. Bad arguments raise ValueError here, at the call, not at the first `next()`.
     """
     _check_options(temperature, top_k, top_p)
     rows = _check_prompts(cfg, prompts)
@@ -192,50 +316,56 @@ def generate_tokens(
         raise ValueError(f"stop_token {stop_token} lies outside [0, {cfg.vocab_size}) and can never be produced")
     if vocab_limit is not None and not 1 <= vocab_limit <= cfg.vocab_size:
         raise ValueError(f"vocab_limit must be in [1, {cfg.vocab_size}], got {vocab_limit!r}")
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+        raise ValueError(f"chunk must be an integer >= 1 or None, got {chunk!r}")
+    if speculative and cfg.mtp_depth < 1:
+        raise ValueError("speculative decoding drafts with the MTP adapters: it needs model.mtp_depth >= 1")
+    if speculative and temperature != 0:
+        raise ValueError("speculative decoding is greedy: use temperature 0")
     options = dict(cfg=cfg, temperature=float(temperature), top_k=top_k,
-                   top_p=None if top_p is None else float(top_p), vocab_limit=vocab_limit)
-    return _decode_loop(params, rows, max_new_tokens, jax.random.key(seed), stop_token, options)
+                   top_p=None if top_p is None else float(top_p), vocab_limit=vocab_limit,
+                   draft=cfg.mtp_depth if speculative else 0)
+    stop = np.int32(-1 if stop_token is None else stop_token)  # -1: no token ever equals it
+    return _decode_loop(params, rows, max_new_tokens, jax.random.key(seed), stop,
+                        chunk or max(max_new_tokens, 1), stats, options)
 
 
 def _decode_loop(
-    params: Params, rows: list[np.ndarray], max_new_tokens: int, key: jax.Array,
-    stop_token: int | None, options: dict[str, Any],
+    params: Params, rows: list[np.ndarray], max_new_tokens: int, key: jax.Array, stop: np.int32,
+    chunk: int, stats: dict[str, Any] | None, options: dict[str, Any],
 ) -> Iterator[np.ndarray]:
     cfg: ModelConfig = options["cfg"]
-    C, W, B = cfg.context_length, slide_length(cfg), len(rows)
-    # Host mirror of every row: its whole sequence and how many positions its cache holds.
-    sequences = [list(r[-C:]) for r in rows]
-    cache_len = np.array([len(s) for s in sequences], np.int32)
-    P = bucket_length(int(cache_len.max()), C)
+    C, B = cfg.context_length, len(rows)
+    lengths = np.array([len(r) for r in rows], np.int32)
+    P = bucket_length(int(lengths.max()), C)
     padded = np.zeros((B, P), np.int32)
-    for i, s in enumerate(sequences):
-        padded[i, : len(s)] = s
+    for i, r in enumerate(rows):
+        padded[i, : len(r)] = r
     if max_new_tokens == 0:
         return
-    tokens_B, cache = _prefill(params, padded, cache_len, key, 0, **options)
-    finished = np.zeros(B, bool)
-    for step in range(1, max_new_tokens + 1):
-        new = np.asarray(tokens_B)
-        out = np.where(finished, FINISHED, new).astype(np.int32)
-        if stop_token is not None:
-            finished |= new == stop_token
-        if step == max_new_tokens or finished.all():
-            yield out
-            return
-        for s, t in zip(sequences, new):
-            s.append(int(t))
-            if len(s) > 2 * C:  # only the last W tokens are ever read again
-                del s[:-C]
-        # Dispatch the next step before yielding, so the device works while the caller prints.
-        full = cache_len == C
-        stepped = _decode(params, cache, new, key, step, **options)
-        if full.any():  # finished rows slide too, so no row ever writes past its cache
-            windows = np.array([([0] * W + s)[-W:] for s in sequences], np.int32)
-            slid = _prefill(params, windows, np.full(B, W, np.int32), key, step, **options)
-            stepped = _select_rows(full, slid, stepped)
-        tokens_B, cache = stepped
-        cache_len = np.where(full, W, cache_len + 1)
-        yield out
+    # Room for the prompt, the new tokens, one block past the last and its unused write, and at
+    # least one sliding window (the slide branch is compiled even when no row will reach it).
+    size = 1 << (max(P + max_new_tokens + 2 * (options["draft"] + 1), slide_length(cfg)) - 1).bit_length()
+    state = _start(params, padded, lengths, np.int32(max_new_tokens), stop, key, size=size, **options)
+    emitted = 0
+    while True:
+        target = min(emitted + chunk, max_new_tokens)
+        state = _advance(params, state, np.int32(target), stop, key, **options)
+        seq, length, end = (np.asarray(state[k]) for k in ("seq", "length", "end"))
+        produced = np.minimum(length, end) - lengths  # the new tokens each row holds
+        finished = length >= end
+        # Every position up to the slowest unfinished row is known for all rows.
+        ready = int(produced.max() if finished.all() else produced[~finished].min())
+        for t in range(emitted, ready):
+            yield np.where(t < produced, seq[np.arange(B), np.minimum(lengths + t, seq.shape[1] - 1)],
+                           FINISHED).astype(np.int32)
+        emitted = ready
+        if finished.all() or emitted >= max_new_tokens:
+            break
+    if stats is not None:
+        drafted, accepted = int(state["drafted"]), int(state["accepted"])
+        stats.update(forward_passes=int(state["step"]), drafted=drafted, accepted=accepted,
+                     acceptance_rate=accepted / drafted if drafted else None)
 
 
 def generate(
@@ -244,6 +374,7 @@ def generate(
 ) -> list[list[int]]:
     """The new tokens of each sequence (up to and including `stop_token`, if it came)."""
     continuations: list[list[int]] = [[] for _ in prompts]
+    options.setdefault("chunk", None)  # nobody reads the tokens early: one compiled call
     for new_B in generate_tokens(params, cfg, prompts, max_new_tokens, **options):
         for row, t in zip(continuations, new_B.tolist()):
             if t != FINISHED:

@@ -182,20 +182,96 @@ def _llama_params(cfg: ModelConfig, t: dict[str, np.ndarray]) -> Params:
 _IMPORTERS = {"gpt2": (_gpt2_config, _gpt2_params), "llama": (_llama_config, _llama_params)}
 
 
+def _importer(hf_dir: Path, config: dict[str, Any]):
+    model_type = config.get("model_type")
+    if model_type not in _IMPORTERS:
+        raise ValueError(f"unsupported model_type {model_type!r} in {hf_dir}/config.json "
+                         f"(supported: {', '.join(_IMPORTERS)})")
+    return _IMPORTERS[model_type]
+
+
+def model_config(hf_dir: str | Path) -> ModelConfig:
+    """The ModelConfig of a Hugging Face GPT-2 or Llama dir, from its config.json alone."""
+    path = Path(hf_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{hf_dir} is not a Hugging Face model directory (no config.json)")
+    config = json.loads(path.read_text(encoding="utf-8"))
+    return _importer(Path(hf_dir), config)[0](config)
+
+
 def import_hf(hf_dir: str | Path) -> tuple[ModelConfig, Params]:
     """The ModelConfig and params (scanned layout, float32) of a Hugging Face GPT-2 or Llama dir."""
     import jax
     import jax.numpy as jnp
 
     config, tensors = _read(Path(hf_dir))
-    model_type = config.get("model_type")
-    if model_type not in _IMPORTERS:
-        raise ValueError(f"unsupported model_type {model_type!r} in {hf_dir}/config.json "
-                         f"(supported: {', '.join(_IMPORTERS)})")
-    make_config, make_params = _IMPORTERS[model_type]
+    make_config, make_params = _importer(Path(hf_dir), config)
     cfg = make_config(config)
     params = make_params(cfg, tensors)
     return cfg, jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float32), params)
+
+
+def resolve_source(source: str | Path) -> Path:
+    """A local Hugging Face model directory, downloading `source` from the hub if it names no directory.
+
+    The download (config.json, safetensors weights, tokenizer.json) goes through
+    `huggingface_hub.snapshot_download` into its usual cache, so it needs network access to the
+    hub; offline, a local directory is the only way in.
+    """
+    path = Path(source)
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise NotADirectoryError(f"{source} is not a Hugging Face model directory")
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise ImportError(f"{source} is no local directory, and downloading it from the hub needs "
+                          "`huggingface_hub` (pip install huggingface_hub)") from None
+    try:
+        return Path(snapshot_download(str(source), allow_patterns=["config.json", "*.safetensors", "tokenizer.json"]))
+    except Exception as err:  # the hub raises many kinds (offline, not found, gated, HTTP)
+        raise FileNotFoundError(f"{source} is no local directory and could not be downloaded from the "
+                                f"Hugging Face hub ({type(err).__name__}: {err})") from None
+
+
+# Keys a fine-tune may set freely. The rest define the function the weights compute and must
+# equal the checkpoint's; context_length may shrink (a learned position table is cropped, as
+# nanoGPT's crop_block_size does) and mtp_depth adds fresh adapters.
+FREE_KEYS = ("dropout", "scan_layers", "remat", "dtype", "init_std", "mtp_depth", "context_length")
+
+
+def load_into(model: ModelConfig, hf_dir: str | Path, fresh: Params) -> Params:
+    """The checkpoint's weights in `model`'s layout; MTP adapters it lacks are taken from `fresh`."""
+    import dataclasses
+
+    import jax
+    from flax.traverse_util import flatten_dict, unflatten_dict
+
+    from jaxgpt.model import unstack_blocks
+
+    imported_cfg, imported = import_hf(hf_dir)
+    differ = [f"model.{f.name} = {getattr(model, f.name)!r} here, {getattr(imported_cfg, f.name)!r} in the checkpoint"
+              for f in dataclasses.fields(ModelConfig)
+              if f.name not in FREE_KEYS and getattr(model, f.name) != getattr(imported_cfg, f.name)]
+    if imported_cfg.position == "learned" and model.context_length > imported_cfg.context_length:
+        differ.append(f"model.context_length = {model.context_length} here, more than the checkpoint's "
+                      f"{imported_cfg.context_length} learned positions")
+    if differ:
+        raise ValueError(f"--init-from {hf_dir}: the config does not match the checkpoint: " + "; ".join(differ))
+    if model.position == "learned":
+        table = imported["position_embedding"]["embedding"]
+        imported["position_embedding"] = {"embedding": table[: model.context_length]}
+    if not model.scan_layers:
+        imported = unstack_blocks(imported, model)
+    have, want = flatten_dict(imported, sep="/"), flatten_dict(jax.device_get(fresh), sep="/")
+    for name, leaf in want.items():
+        if name not in have and not name.startswith("mtp_"):
+            raise ValueError(f"--init-from {hf_dir}: the checkpoint has no weight for {name}")
+        if name in have and have[name].shape != leaf.shape:
+            raise ValueError(f"--init-from {hf_dir}: {name} has shape {have[name].shape} in the "
+                             f"checkpoint, {leaf.shape} here")
+    return unflatten_dict({name: have.get(name, leaf) for name, leaf in want.items()}, sep="/")
 
 
 def _check_exportable(cfg: ModelConfig) -> str:

@@ -108,11 +108,6 @@ def apply_rope(x_BTHD: jax.Array, rope: Rope) -> jax.Array:
     return rotated.astype(x_BTHD.dtype)
 
 
-def causal_mask(q_pos_BT: jax.Array, k_pos_BS: jax.Array) -> jax.Array:
-    """[B, 1, T, S] boolean: a query may read keys at its own position and before."""
-    return (k_pos_BS[:, None, None, :] <= q_pos_BT[:, None, :, None])
-
-
 class CausalSelfAttention(nn.Module):
     """Multi-head causal attention with grouped KV heads and an optional KV cache.
 
@@ -127,7 +122,10 @@ class CausalSelfAttention(nn.Module):
     def __call__(
         self, x_BTC: jax.Array, rope: Rope | None, kv: KV | None = None, index: jax.Array | None = None
     ) -> tuple[jax.Array, KV | None]:
-        """With `kv`, the T new keys and values are written at each sequence's `index` [B]."""
+        """Cached decoding passes `index` [B]: the T new keys and values are then returned for the
+        caller to write (`write_kv`), so no layer copies the cache. With `kv` too (this layer's
+        cache, read only) the queries also read each sequence's first `index` cached positions;
+        without it (a prefill into an empty cache) they read only the new tokens."""
         cfg = self.cfg
         B, T, _ = x_BTC.shape
         H, K, D = cfg.n_heads, cfg.kv_heads, cfg.head_size
@@ -139,26 +137,81 @@ class CausalSelfAttention(nn.Module):
         if rope is not None:
             q_BTHD, k_BTKD = apply_rope(q_BTHD, rope), apply_rope(k_BTKD, rope)
 
-        if kv is None:
+        if kv is None and jax.default_backend() == "cpu":
+            out_BTHD = blocked_causal_attention(q_BTHD, k_BTKD, v_BTKD)
+        elif kv is None:
             out_BTHD = jax.nn.dot_product_attention(q_BTHD, k_BTKD, v_BTKD, is_causal=True)
         else:
-            kv = write_kv(kv, k_BTKD, v_BTKD, index)
-            S = kv[0].shape[1]
-            q_pos = index[:, None] + jnp.arange(T)
-            mask = causal_mask(q_pos, jnp.broadcast_to(jnp.arange(S), (B, S)))
-            k_BSKD, v_BSKD = (t.astype(dtype) for t in kv)
-            out_BTHD = jax.nn.dot_product_attention(q_BTHD, k_BSKD, v_BSKD, mask=mask)
+            out_BTHD = cached_attention(q_BTHD, kv, (k_BTKD, v_BTKD), index)
+        kv = None if index is None else (k_BTKD, v_BTKD)
         out = dense(cfg, cfg.d_model, "out")(out_BTHD.reshape(B, T, H * D))
         return nn.Dropout(cfg.dropout)(out, deterministic=self.deterministic), kv
 
 
-def write_kv(kv: KV, k_BTKD: jax.Array, v_BTKD: jax.Array, index_B: jax.Array) -> KV:
-    """Write T new keys and values into the cache at each sequence's own index."""
+def causal_query_blocks(T: int) -> int:
+    """How many query blocks `blocked_causal_attention` splits T into: 4, 2 or 1, blocks >= 32."""
+    return next(n for n in (4, 2, 1) if T % n == 0 and T // n >= 32 or n == 1)
 
-    def write(buffer_SKD, new_TKD, start):
-        return jax.lax.dynamic_update_slice(buffer_SKD, new_TKD.astype(buffer_SKD.dtype), (start, 0, 0))
 
-    return jax.vmap(write)(kv[0], k_BTKD, index_B), jax.vmap(write)(kv[1], v_BTKD, index_B)
+def blocked_causal_attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array) -> jax.Array:
+    """Causal attention that skips most of the masked upper triangle (the CPU path).
+
+    Equal to `jax.nn.dot_product_attention(q, k, v, is_causal=True)` up to float rounding. The
+    queries are split into n blocks and block i reads only keys [0, (i + 1) T / n), so with n = 4
+    the scores, softmax and both attention matmuls do 5/8 of the full square's work, forward and
+    backward. Scores and softmax in float32; grouped KV heads are read in place (no repeat).
+    """
+    B, T, H, D = q_BTHD.shape
+    K = k_BTKD.shape[2]
+    G = H // K
+    q_BTKGD = (q_BTHD * jnp.asarray(D**-0.5, q_BTHD.dtype)).reshape(B, T, K, G, D)
+    n = causal_query_blocks(T)
+    size = T // n
+    outs = []
+    for i in range(n):
+        S = (i + 1) * size  # keys this block may read
+        scores = jnp.einsum("btkgd,bskd->bkgts", q_BTKGD[:, i * size: S], k_BTKD[:, :S],
+                            preferred_element_type=jnp.float32)
+        allowed_TS = jnp.arange(S)[None, :] <= i * size + jnp.arange(size)[:, None]
+        probs = jax.nn.softmax(jnp.where(allowed_TS, scores, -jnp.inf), axis=-1)
+        outs.append(jnp.einsum("bkgts,bskd->btkgd", probs.astype(v_BTKD.dtype), v_BTKD[:, :S]))
+    return jnp.concatenate(outs, axis=1).reshape(B, T, H, D)
+
+
+def cached_attention(q_BTHD: jax.Array, cache: KV, new: KV, index_B: jax.Array) -> jax.Array:
+    """T queries against a sequence's cached positions [0, index) and the T new keys, causally.
+
+    One softmax over both parts (scores in float32). Cache slots from `index` on hold padding or
+    stale keys and are masked; the new keys need not be written first, so the cache is only read.
+    """
+    B, T, H, D = q_BTHD.shape
+    (k_BSKD, v_BSKD), (k_BTKD, v_BTKD) = cache, new
+    K = k_BTKD.shape[2]
+    q_BTKGD = (q_BTHD * jnp.asarray(D**-0.5, q_BTHD.dtype)).reshape(B, T, K, H // K, D)
+    dtype = q_BTHD.dtype
+    old = jnp.einsum("btkgd,bskd->bkgts", q_BTKGD, k_BSKD.astype(dtype), preferred_element_type=jnp.float32)
+    old = jnp.where((jnp.arange(k_BSKD.shape[1]) < index_B[:, None])[:, None, None, None, :], old, -jnp.inf)
+    now = jnp.einsum("btkgd,bskd->bkgts", q_BTKGD, k_BTKD, preferred_element_type=jnp.float32)
+    now = jnp.where(jnp.tril(jnp.ones((T, T), bool)), now, -jnp.inf)
+    # The new part always holds the query's own key, so the max is finite and no row is empty.
+    peak = jax.lax.stop_gradient(jnp.maximum(old.max(-1, keepdims=True), now.max(-1, keepdims=True)))
+    p_old, p_now = jnp.exp(old - peak), jnp.exp(now - peak)
+    total = p_old.sum(-1, keepdims=True) + p_now.sum(-1, keepdims=True)
+    out = (jnp.einsum("bkgts,bskd->btkgd", (p_old / total).astype(dtype), v_BSKD.astype(dtype))
+           + jnp.einsum("bkgts,bskd->btkgd", (p_now / total).astype(dtype), v_BTKD))
+    return out.reshape(B, T, H, D)
+
+
+def write_kv(cache: KV, new: KV, index_B: jax.Array) -> KV:
+    """Write each sequence's T new keys and values into every layer's cache at its own index.
+
+    cache: ([L, B, S, K, D], [L, B, S, K, D]); new: ([L, B, T, K, D], [L, B, T, K, D]).
+    """
+
+    def write(buffer_LSKD, new_LTKD, start):
+        return jax.lax.dynamic_update_slice(buffer_LSKD, new_LTKD.astype(buffer_LSKD.dtype), (0, start, 0, 0))
+
+    return tuple(jax.vmap(write, in_axes=(1, 1, 0), out_axes=1)(c, n, index_B) for c, n in zip(cache, new))
 
 
 _SQRT_2_OVER_PI = 0.7978845608028654

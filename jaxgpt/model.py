@@ -25,7 +25,7 @@ import numpy as np
 
 from jaxgpt.config import ModelConfig
 from jaxgpt.layers import (FeedForward, TransformerBlock, compute_dtype, dense_init, make_norm,
-                           rope_tables)
+                           rope_tables, write_kv)
 
 Params = dict[str, Any]
 Cache = dict[str, jax.Array]  # {"k": [L, B, S, K, D], "v": [L, B, S, K, D], "index": [B]}
@@ -73,7 +73,7 @@ class Decoder(nn.Module):
 
     @nn.compact
     def __call__(
-        self, token_ids_BT: jax.Array, cache: Cache | None = None, all_depths: bool = False
+        self, token_ids_BT: jax.Array, cache: Cache | None = None, all_depths: bool = False, fresh: bool = False
     ) -> tuple[jax.Array, Cache | None]:
         cfg = self.cfg
         B, T = token_ids_BT.shape
@@ -88,6 +88,10 @@ class Decoder(nn.Module):
         x_BTC = token_embedding(token_ids_BT)
         rope = None
         if cfg.position == "learned":
+            # Only speculative decoding's draft slots, whose outputs are discarded, reach past the
+            # table (a traced cache index that forward_cached cannot check). jnp.take would fill
+            # them with NaN, and masked attention would still leak 0 * NaN into every query.
+            positions_BT = jnp.minimum(positions_BT, cfg.context_length - 1)
             x_BTC = x_BTC + nn.Embed(cfg.context_length, cfg.d_model,
                                      embedding_init=dense_init(cfg),
                                      name="position_embedding")(positions_BT)
@@ -95,7 +99,7 @@ class Decoder(nn.Module):
             rope = rope_tables(positions_BT, cfg.head_size, cfg.rope_scale, cfg.rope_base)
         x_BTC = nn.Dropout(cfg.dropout)(x_BTC, deterministic=self.deterministic).astype(dtype)
 
-        kv = None if cache is None else (cache["k"], cache["v"])
+        kv = None if cache is None or fresh else (cache["k"], cache["v"])
         index = None if cache is None else cache["index"]
         x_BTC, kv = self._blocks(x_BTC, rope, kv, index)
 
@@ -114,8 +118,9 @@ class Decoder(nn.Module):
                 MTPAdapter(cfg, self.deterministic, name=f"mtp_{d}")(hidden_BTC)
 
         new_cache = None
-        if cache is not None:
-            new_cache = {"k": kv[0], "v": kv[1], "index": cache["index"] + T}
+        if cache is not None:  # one in-place write for all layers, after they have read the cache
+            k, v = write_kv((cache["k"], cache["v"]), kv, cache["index"])
+            new_cache = {"k": k, "v": v, "index": cache["index"] + T}
         return logits_BTV, new_cache
 
     def _blocks(self, x_BTC, rope, kv, index):
@@ -137,7 +142,7 @@ class Decoder(nn.Module):
             if layer_kv is not None:
                 new_k.append(layer_kv[0])
                 new_v.append(layer_kv[1])
-        return x_BTC, (None if kv is None else (jnp.stack(new_k), jnp.stack(new_v)))
+        return x_BTC, ((jnp.stack(new_k), jnp.stack(new_v)) if new_k else None)
 
 
 def _block_class(cfg: ModelConfig) -> type[nn.Module]:
@@ -226,11 +231,14 @@ def init_cache(cfg: ModelConfig, batch_size: int, max_length: int) -> Cache:
 
 
 def forward_cached(
-    params: Params, cfg: ModelConfig, token_ids: jax.Array, cache: Cache
+    params: Params, cfg: ModelConfig, token_ids: jax.Array, cache: Cache, *, all_depths: bool = False,
+    fresh: bool = False,
 ) -> tuple[jax.Array, Cache]:
     """Run T new tokens per sequence against the cache (a prefill, or T = 1 for one step).
 
-    Returns their logits [B, T, V] and the cache with the new keys and values written.
+    Returns their logits [B, T, V] ([1 + mtp_depth, B, T, V] with `all_depths`) and the cache
+    with the new keys and values written. `fresh` promises an empty cache (every index 0, as
+    `init_cache` makes it): the prefill then attends among the new tokens only, as `forward` does.
     """
     token_ids = check_token_ids(cfg, token_ids)
     B, T = token_ids.shape
@@ -241,7 +249,10 @@ def forward_cached(
         end = int(np.asarray(cache["index"]).max()) + T
         if end > S:
             raise ValueError(f"KV cache overflow: {end} positions needed, the cache holds {S}")
-    logits, cache = Decoder(cfg).apply({"params": params}, token_ids, cache=cache)
+    if fresh and _is_concrete(cache["index"]) and np.asarray(cache["index"]).any():
+        raise ValueError("forward_cached(fresh=True) needs an empty cache (every index 0)")
+    logits, cache = Decoder(cfg).apply({"params": params}, token_ids, cache=cache, all_depths=all_depths,
+                                       fresh=fresh)
     return logits, cache
 
 

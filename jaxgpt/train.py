@@ -28,7 +28,7 @@ from jaxgpt.config import RunConfig
 from jaxgpt.data import TokenSplits, cached_tokenizer, get_batch, load_corpus, prepare_tokens
 from jaxgpt.generate import generate
 from jaxgpt.metrics import MetricsWriter, Throughput, plot_losses, truncate_metrics
-from jaxgpt.model import count_params
+from jaxgpt.model import count_params, init_params
 from jaxgpt.runtime import Runtime, make_runtime
 from jaxgpt.step import TrainState, window_length
 from jaxgpt.tokenizer import Tokenizer
@@ -200,11 +200,13 @@ def _resume(checkpointer: Checkpointer, runtime: Runtime, state: TrainState, exp
 
 
 def train(cfg: RunConfig, out_dir: str | Path = "runs/default", *, resume: bool = False, force: bool = False,
-          progress: bool = True) -> dict[str, Any]:
+          progress: bool = True, init_from: str | Path | None = None) -> dict[str, Any]:
     """Train `cfg` into the run directory `out_dir`; returns the summary record.
 
     With `resume`, continue from the newest intact checkpoint in `out_dir` (refusing a changed
-    model, tokenizer or corpus; `force` accepts changed [train] and [data] keys).
+    model, tokenizer or corpus; `force` accepts changed [train] and [data] keys). `init_from`
+    (a Hugging Face GPT-2 or Llama directory) fine-tunes from its weights; `cfg.model` must
+    match it (see `jaxgpt.hf.load_into`). A resumed run continues from its own checkpoints.
     """
     run_dir = Path(out_dir)
     has_checkpoints = (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir())
@@ -213,14 +215,21 @@ def train(cfg: RunConfig, out_dir: str | Path = "runs/default", *, resume: bool 
     elif not resume and has_checkpoints:
         raise ValueError(f"{run_dir} already holds a run; use --resume to continue it or another --out")
     data = prepare_data(cfg, run_dir)
+    runtime = make_runtime(cfg)
+    if init_from is not None and not (resume and has_checkpoints):
+        from jaxgpt.hf import load_into
+
+        # Checked before anything is written, so a mismatch leaves no half-made run behind.
+        fresh = init_params(cfg.model, jax.random.key(cfg.train.seed))
+        state = runtime.state_from_params(load_into(cfg.model, init_from, fresh))
+    else:
+        state = runtime.init_state()
     main_process = jax.process_index() == 0  # the one that writes files other than checkpoints
     run_dir.mkdir(parents=True, exist_ok=True)
     if main_process:
         _write_atomic(run_dir / "config.toml", cfg.to_toml())
         data.tokenizer.save(run_dir / "tokenizer.json")
 
-    runtime = make_runtime(cfg)
-    state = runtime.init_state()
     expected = manifest(cfg, data)
     checkpointer = Checkpointer(run_dir, keep=cfg.train.keep_checkpoints)
     try:

@@ -101,3 +101,15 @@ def test_dry_run_errors_in_process(args, message, capsys):
     assert main(["dry-run", *args]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+def test_base_config_under_the_file_and_overrides(tmp_path):
+    from jaxgpt.config import DataConfig, ModelConfig, RunConfig
+
+    base = RunConfig(model=ModelConfig(d_model=64, n_heads=2), data=DataConfig(tokenizer="char"))
+    path = tmp_path / "c.toml"
+    path.write_text("[model]\nn_heads = 4\n[train]\nsteps = 7\n", encoding="utf-8")
+    cfg = load_config(path, ["model.n_layers=3"], base=base)
+    assert (cfg.model.d_model, cfg.model.n_heads, cfg.model.n_layers) == (64, 4, 3)
+    assert cfg.data.tokenizer == "char" and cfg.train.steps == 7
+    assert load_config(None, [], base=base) == base

@@ -10,10 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxgpt.config import ModelConfig
+from jaxgpt import generate as generate_module
+from jaxgpt.config import ModelConfig, RunConfig, TrainConfig
 from jaxgpt.generate import (FINISHED, bucket_length, generate, generate_tokens, sample_logits,
                              slide_length)
 from jaxgpt.model import forward, init_params
+from jaxgpt.step import compile_steps, init_state, window_length
 
 # init_std 0.3 sharpens the random model's logits, so greedy choices are far from float ties and
 # its output wanders instead of settling on one repeated token.
@@ -35,7 +37,7 @@ def _forward(params, cfg, tokens_BT):
 def naive_greedy(cfg: ModelConfig, prompt: list[int], n: int) -> tuple[list[int], int]:
     """Greedy by calling `forward` on the whole window each step, no cache; also counts slides.
 
-    The window is the rule generate.py documents: prompts keep their last context_length tokens;
+    The window is the rule generate.py documents (a prompt holds at most context_length tokens):
     when the window would exceed context_length it restarts from the sequence's last
     context_length // 2 tokens. Until the first slide the window is the whole sequence, so this is
     then exactly the plain, uncropped greedy loop.
@@ -59,7 +61,7 @@ def prompt(length: int, seed: int) -> list[int]:
     return np.random.default_rng(seed).integers(0, LEARNED.vocab_size, length).tolist()
 
 
-@pytest.mark.parametrize("cfg, prompt_length", [(LEARNED, 5), (ROPE_GQA, 40)], ids=["learned", "rope_gqa_long_prompt"])
+@pytest.mark.parametrize("cfg, prompt_length", [(LEARNED, 5), (ROPE_GQA, 32)], ids=["learned", "rope_gqa_full_prompt"])
 def test_greedy_equals_naive_loop_across_slides(cfg, prompt_length):
     p, n = prompt(prompt_length, 1), 60
     expected, slides = naive_greedy(cfg, p, n)
@@ -110,6 +112,86 @@ def test_stop_token_finishes_rows_and_ends_generation():
         full[0][: first + 1]]
 
 
+MTP = dataclasses.replace(LEARNED, mtp_depth=2)
+MTP_ROPE = dataclasses.replace(ROPE_GQA, mtp_depth=3)
+
+
+@pytest.mark.parametrize("cfg", [MTP, MTP_ROPE], ids=["learned_depth2", "rope_gqa_depth3"])
+def test_speculative_equals_plain_greedy_across_slides_and_stops(cfg):
+    # Rows of different lengths (one longer than the context) slide at different steps; the
+    # random model's drafts are mostly wrong, so every acceptance count is exercised.
+    prompts = [prompt(5, 2), prompt(8, 3), prompt(32, 4)]
+    plain = generate(params_for(cfg), cfg, prompts, 70, **GREEDY)
+    stats = {}
+    assert generate(params_for(cfg), cfg, prompts, 70, speculative=True, stats=stats, **GREEDY) == plain
+    assert 0 <= stats["accepted"] <= stats["drafted"]
+    stop = plain[1][10]
+    with_stop = generate(params_for(cfg), cfg, prompts, 70, stop_token=stop, **GREEDY)
+    assert generate(params_for(cfg), cfg, prompts, 70, stop_token=stop, speculative=True, **GREEDY) == with_stop
+    assert with_stop[1] == plain[1][: plain[1].index(stop) + 1]
+
+
+def test_streamed_chunks_equal_one_call_and_reuse_one_compile():
+    cfg, prompts = LEARNED, [prompt(5, 2), prompt(7, 3)]
+    whole = generate(params_for(cfg), cfg, prompts, 40, temperature=1.0, seed=4)
+    compiled = generate_module._advance._cache_size()
+    for chunk in (1, 7, 16):
+        steps = list(generate_tokens(params_for(cfg), cfg, prompts, 40, temperature=1.0, seed=4, chunk=chunk))
+        assert np.stack(steps).T.tolist() == whole
+    # Another prompt length in the same bucket and another count in the same buffer size.
+    generate(params_for(cfg), cfg, [prompt(6, 5), prompt(8, 6)], 38, temperature=1.0, seed=4)
+    assert generate_module._advance._cache_size() == compiled
+
+
+@pytest.mark.parametrize("cfg, kwargs, match", [
+    (LEARNED, dict(temperature=0.0), "mtp_depth"),
+    (MTP, dict(temperature=0.7), "greedy"),
+    (LEARNED, dict(chunk=0), "chunk"),
+])
+def test_bad_decoding_modes_raise(cfg, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        generate_tokens(params_for(cfg), cfg, [[1, 2]], 3, speculative="chunk" not in kwargs, **kwargs)
+
+
+def _trained_mtp_model():
+    """A depth-2 MTP model trained on a short repeating text, where drafting ahead is learnable."""
+    text = "the quick brown fox jumps over the lazy dog; " * 40 + "pack my box with five dozen jugs. " * 40
+    chars = sorted(set(text))
+    ids = np.array([chars.index(c) for c in text], np.int32)
+    model = ModelConfig(vocab_size=len(chars), context_length=32, d_model=64, n_layers=2, n_heads=4, mtp_depth=2)
+    cfg = RunConfig(model=model, train=TrainConfig(steps=150, batch_size=16, lr=3e-3, warmup_steps=10))
+    state = init_state(cfg, jax.random.key(0))
+    train_step, _ = compile_steps(cfg)
+    rng = np.random.default_rng(0)
+    W = window_length(model)
+    for _ in range(cfg.train.steps):
+        starts = rng.integers(0, len(ids) - W, cfg.train.batch_size)
+        state, metrics = train_step(state, np.stack([ids[i: i + W] for i in starts]))
+    return model, state.params, ids, float(metrics["loss"])
+
+
+def test_trained_mtp_model_speculates_the_same_greedy_text_in_fewer_passes():
+    model, params, ids, loss = _trained_mtp_model()
+    assert loss < 0.5, "the model should have learned the text"
+    rng = np.random.default_rng(1)
+    prompts = [ids[i: i + n] for i, n in zip(rng.integers(0, len(ids) - 20, 20), rng.integers(1, 20, 20))]
+    plain = generate(params, model, prompts, 48, **GREEDY)
+    stats = {}
+    assert generate(params, model, prompts, 48, speculative=True, stats=stats, **GREEDY) == plain
+    assert stats["acceptance_rate"] > 0.5
+    assert stats["forward_passes"] < 48 * 0.75
+
+
+@pytest.mark.parametrize("cfg", [LEARNED, MTP], ids=["plain", "speculative"])
+def test_a_few_tokens_after_a_short_prompt(cfg):
+    # The sequence buffer is then shorter than a sliding window, which the compiled (never
+    # taken) slide branch still has to fit.
+    spec = cfg.mtp_depth > 0
+    one = generate(params_for(cfg), cfg, [[1, 2]], 1, speculative=spec, **GREEDY)
+    six = generate(params_for(cfg), cfg, [[1, 2]], 6, speculative=spec, **GREEDY)
+    assert len(one[0]) == 1 and len(six[0]) == 6 and six[0][0] == one[0][0]
+
+
 def test_bucket_length():
     assert [bucket_length(n, 32) for n in (1, 2, 3, 5, 8, 9, 17, 32)] == [1, 2, 4, 8, 8, 16, 32, 32]
     assert bucket_length(20, 24) == 24  # capped at context_length
@@ -125,10 +207,12 @@ def test_bad_options_raise(kwargs):
         generate_tokens(params_for(LEARNED), LEARNED, [[1, 2]], **kwargs)  # raises at the call
 
 
-@pytest.mark.parametrize("prompts", [[], [[]], [[1, 64]], [[-1, 2]], [[1.5, 2.0]], [[[1, 2]]]],
-                         ids=["no_prompts", "empty_prompt", "id_too_large", "negative_id", "floats", "2d"])
-def test_bad_prompts_raise(prompts):
-    with pytest.raises(ValueError):
+@pytest.mark.parametrize("prompts, match", [
+    ([], "at least one prompt"), ([[]], "at least one token"), ([[1, 64]], "outside"), ([[-1, 2]], "outside"),
+    ([[1.5, 2.0]], "integer"), ([[[1, 2]]], "1-D"), ([[1] * 33], "more than model.context_length = 32"),
+], ids=["no_prompts", "empty_prompt", "id_too_large", "negative_id", "floats", "2d", "longer_than_context"])
+def test_bad_prompts_raise(prompts, match):
+    with pytest.raises(ValueError, match=match):
         generate_tokens(params_for(LEARNED), LEARNED, prompts, 3)
 
 

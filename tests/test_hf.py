@@ -209,3 +209,50 @@ def test_cli_import_generate_export(tmp_path, capsys):
     np.testing.assert_allclose(_hf_logits(out, tokens), _hf_logits(hf_dir, tokens), atol=1e-5, rtol=0)
     assert (out / "tokenizer.json").read_bytes() == (hf_dir / "tokenizer.json").read_bytes()
     assert main(["import-hf", str(hf_dir), "--out", str(run)]) == 2  # refuses to overwrite a run
+
+
+def test_train_init_from_fine_tunes_and_resumes(tmp_path, capsys):
+    from jaxgpt.checkpoint import load_run
+    from jaxgpt.cli import main
+    from jaxgpt.tokenizer import build_char
+
+    hf_dir = _gpt2(tmp_path / "hf")
+    build_char(["abcdefghijklmnopqrstuvwxyz \n"], VOCAB).save(hf_dir / "tokenizer.json")
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the cat sat on the mat and the dog ran to it\n" * 60, encoding="utf-8")
+    run = tmp_path / "run"
+    # A crop to 16 learned positions and a fresh MTP adapter; lr so small the weights stay put.
+    common = ["--init-from", str(hf_dir), "--data", str(corpus), "--out", str(run), "--no-progress",
+              "--set", "model.context_length=16", "--set", "model.mtp_depth=1", "--set", "train.batch_size=8",
+              "--set", "train.lr=1e-12", "--set", "train.min_lr=1e-12", "--set", "train.warmup_steps=0",
+              "--set", "train.eval_every=2", "--set", "train.eval_batches=1", "--set", "train.sample_tokens=4"]
+    assert main(["train", "--steps", "2", *common]) == 0
+    cfg, params = load_run(run)
+    hf_cfg, hf_params = import_hf(hf_dir)
+    assert (cfg.d_model, cfg.n_layers, cfg.context_length, cfg.mtp_depth) == (hf_cfg.d_model, 2, 16, 1)
+    np.testing.assert_allclose(params["blocks"]["attention"]["qkv"]["kernel"],
+                               hf_params["blocks"]["attention"]["qkv"]["kernel"], atol=1e-8)
+    np.testing.assert_allclose(params["position_embedding"]["embedding"],
+                               hf_params["position_embedding"]["embedding"][:16], atol=1e-8)
+    assert "mtp_0" in params
+    # The fine-tuned run records its data like any run: resuming needs no --force.
+    assert main(["train", "--steps", "4", "--resume", *common]) == 0
+    assert "resuming" in capsys.readouterr().err
+
+    # A config that contradicts the checkpoint is refused before anything is written.
+    other = tmp_path / "other"
+    args = ["train", "--init-from", str(hf_dir), "--data", str(corpus), "--out", str(other), "--set", "model.d_model=64"]
+    assert main(args) == 2
+    assert "model.d_model = 64 here, 32 in the checkpoint" in capsys.readouterr().err
+    assert not other.exists()
+
+
+def test_init_from_a_name_that_is_no_directory_explains_the_download(tmp_path, monkeypatch):
+    from jaxgpt.hf import resolve_source
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # no hub here: the download fails at once
+    with pytest.raises(FileNotFoundError, match="could not be downloaded from the Hugging Face hub"):
+        resolve_source("someone/no-such-model")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(NotADirectoryError):
+        resolve_source(tmp_path / "file")

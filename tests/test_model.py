@@ -87,8 +87,13 @@ def full_and_cached_logits(cfg, tokens, prefill_length):
     step per remaining token."""
     params = init_params(cfg, jax.random.key(0))
     full = forward(params, cfg, tokens)
-    cache = init_cache(cfg, 2, tokens.shape[1])
-    prefill, cache = forward_cached(params, cfg, tokens[:2, :prefill_length], cache)
+    empty = init_cache(cfg, 2, tokens.shape[1])
+    prefill, cache = forward_cached(params, cfg, tokens[:2, :prefill_length], empty)
+    # A prefill that promises an empty cache attends among its tokens only: the same result.
+    fresh_prefill, fresh_cache = forward_cached(params, cfg, tokens[:2, :prefill_length], empty, fresh=True)
+    fresh_gap = jnp.max(jnp.stack([jnp.abs(fresh_prefill - prefill).max(),
+                                   jnp.abs(fresh_cache["k"] - cache["k"]).max(),
+                                   jnp.abs(fresh_cache["v"] - cache["v"]).max()]))
 
     def step(cache, token_B):
         logits, cache = forward_cached(params, cfg, token_B[:, None], cache)
@@ -96,7 +101,7 @@ def full_and_cached_logits(cfg, tokens, prefill_length):
 
     cache, stepped_TBV = jax.lax.scan(step, cache, tokens[:2, prefill_length:].T)
     cached = jnp.concatenate([prefill, stepped_TBV.transpose(1, 0, 2)], axis=1)
-    return full, cached, cache["index"]
+    return full, cached, cache["index"], fresh_gap
 
 
 @functools.partial(jax.jit, static_argnums=0, compiler_options=FAST_COMPILE)
@@ -117,7 +122,8 @@ def test_every_switch_is_causal_and_cache_exact(position, norm, residual, feed_f
     for i in range(1, T):
         edited[i, i] = (edited[i, i] + 1) % V
     for cfg, outputs in zip(cfgs, all_variants(cfgs, jnp.asarray(edited))):
-        full, cached, index = (np.asarray(a) for a in outputs)
+        full, cached, index, fresh_gap = (np.asarray(a) for a in outputs)
+        assert fresh_gap <= 1e-5, cfg
         assert full.shape == (T, T, V), cfg
         for i in range(1, T):
             np.testing.assert_allclose(full[i, :i], full[0, :i], atol=1e-5, rtol=0, err_msg=str(cfg))
@@ -324,3 +330,5 @@ class TestBadInput:
             forward_cached(self.params, self.cfg, jnp.zeros((1, 3), jnp.int32), cache)
         with pytest.raises(ValueError, match="batch"):
             forward_cached(self.params, self.cfg, jnp.zeros((2, 1), jnp.int32), cache)
+        with pytest.raises(ValueError, match="empty cache"):
+            forward_cached(self.params, self.cfg, jnp.zeros((1, 1), jnp.int32), cache, fresh=True)
