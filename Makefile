@@ -13,6 +13,10 @@ $(STAMP): pyproject.toml
 train: $(STAMP)
 	$(VENV)/bin/jaxgpt train --out runs/default
 
+bench: $(STAMP)
+	$(VENV)/bin/jaxgpt bench train --config experiments/day1.toml --repeats 3
+	$(PY) scripts/bench_vs_torch.py
+
 test: $(STAMP)
 	$(PY) -m pytest -x -n 2
 

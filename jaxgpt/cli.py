@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 from collections.abc import Callable, Sequence
 
@@ -55,8 +56,18 @@ def cmd_train(args: argparse.Namespace) -> int:
         overrides.append(f"data.source={json.dumps(args.data)}")
     if args.steps is not None:
         overrides.append(f"train.steps={args.steps}")
-    cfg = load_config(args.config, overrides)
-    summary = train(cfg, out_dir=args.out, resume=args.resume, force=args.force, progress=not args.no_progress)
+    base, hf_dir = None, None
+    if args.init_from is not None:
+        from jaxgpt.config import DataConfig, RunConfig
+        from jaxgpt.hf import model_config, resolve_source
+
+        hf_dir = resolve_source(args.init_from)
+        tokenizer = hf_dir / "tokenizer.json"  # the checkpoint's own tokenizer, when it ships one
+        data = DataConfig(tokenizer=str(tokenizer.absolute())) if tokenizer.is_file() else DataConfig()
+        base = RunConfig(model=model_config(hf_dir), data=data)
+    cfg = load_config(args.config, overrides, base=base)
+    summary = train(cfg, out_dir=args.out, resume=args.resume, force=args.force, progress=not args.no_progress,
+                    init_from=hf_dir)
     samples = [r for r in read_metrics(Path(args.out) / "metrics.jsonl") if r["type"] == "sample"]
     if samples:
         print(f"--- sample at step {samples[-1]['step']} ---\n{samples[-1]['text']}\n---")
@@ -101,13 +112,24 @@ def cmd_generate(args: argparse.Namespace) -> int:
     tokenizer = Tokenizer.load(Path(args.run) / "tokenizer.json")
     model, params = load_run(args.run)
     prompt = list(tokenizer.encode(args.prompt)) if args.prompt else list(tokenizer.encode("\n")) or [0]
-    top_k = args.top_k or None
+    stop_token = None
+    if args.stop is not None:
+        stop_ids = list(tokenizer.encode(args.stop))
+        if len(stop_ids) != 1:
+            raise ValueError(f"--stop {args.stop!r} encodes to {len(stop_ids)} tokens {stop_ids}; it must be one token")
+        stop_token = stop_ids[0]
+    if args.speculative and args.temperature != 0:
+        print("note: --speculative decodes greedily; using --temperature 0", file=sys.stderr)
+        args.temperature = 0.0
+    stats: dict = {}
     sys.stdout.write(args.prompt)
     emitted: list[int] = []
     printed = ""
+    started = time.perf_counter()
     for tokens in generate_tokens(params, model, [prompt], args.max_new_tokens, temperature=args.temperature,
-                                  top_k=top_k, top_p=args.top_p, seed=args.seed,
-                                  vocab_limit=tokenizer.vocab_size):
+                                  top_k=args.top_k or None, top_p=args.top_p, seed=args.seed,
+                                  stop_token=stop_token, vocab_limit=tokenizer.vocab_size,
+                                  speculative=args.speculative, stats=stats):
         if tokens[0] < 0:
             break
         emitted.append(int(tokens[0]))
@@ -117,6 +139,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
             sys.stdout.flush()
             printed = text
     sys.stdout.write(tokenizer.decode(emitted)[len(printed):] + "\n")
+    if args.stats:
+        seconds = time.perf_counter() - started  # compile included: a first call's figure
+        print(json.dumps({"tokens": len(emitted), "seconds": round(seconds, 3),
+                          "tokens_per_s": round(len(emitted) / seconds, 1), **stats}), file=sys.stderr)
+    return 0
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from jaxgpt.sweep import load_sweep, markdown_table, run_sweep, summarise
+
+    sweep = load_sweep(args.sweep, seeds=args.seeds)
+    out = Path(args.out or f"runs/sweep-{sweep.name}")
+    records = run_sweep(sweep, out, progress=not args.no_progress)
+    print(markdown_table(summarise(sweep, records)), end="")
+    print(f"results: {out / 'results.jsonl'}, {out / 'results.md'}, {out / 'val_loss.png'}", file=sys.stderr)
     return 0
 
 
@@ -143,6 +180,17 @@ def cmd_export_hf(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from jaxgpt.bench import run_mode, table
+
+    records = []
+    for record in run_mode(args.mode, load_config(args.config, args.overrides), repeats=args.repeats, run=args.run):
+        print(json.dumps(record), flush=True)
+        records.append(record)
+    print(table(records), file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxgpt", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -164,6 +212,10 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--force", action="store_true",
                     help="with --resume: accept changed [train] and [data] keys (never the model or tokenizer)")
     tr.add_argument("--no-progress", action="store_true", help="no progress bar")
+    tr.add_argument("--init-from", metavar="HF_DIR",
+                    help="fine-tune from a Hugging Face GPT-2 or Llama checkpoint: a local directory, or a "
+                         "hub name (downloaded; needs network). Its config.json sets [model] and its "
+                         "tokenizer.json the tokenizer, under --config and --set")
     tr.set_defaults(func=cmd_train)
 
     ev = sub.add_parser("eval", help="validation loss, perplexity and bits per byte of a run")
@@ -180,7 +232,32 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0, help="0 for no top-k")
     gen.add_argument("--top-p", type=float, default=None)
     gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--stop", default=None, metavar="TEXT",
+                     help="end the text once this token (TEXT must encode to exactly one token) is produced")
+    gen.add_argument("--speculative", action="store_true",
+                     help="MTP self-speculative decoding (greedy; needs model.mtp_depth >= 1): same text, fewer passes")
+    gen.add_argument("--stats", action="store_true",
+                     help="print one JSON line to stderr: tokens, seconds, tokens/s, forward passes, acceptance rate")
     gen.set_defaults(func=cmd_generate)
+
+    ben = sub.add_parser("bench", help="benchmarks: JSON per measurement on stdout, a table on stderr")
+    ben.add_argument("mode", choices=("train", "forward", "compile", "decode", "speculative"),
+                     help="train: step time, tokens/s, MFU (remat x dtype); forward: batch-one latency "
+                          "at 128..2048 tokens; compile: compile time and memory against depth, remat "
+                          "memory; decode: KV cache against recomputation, cost against position; "
+                          "speculative: MTP self-speculative against plain greedy on --run's val text")
+    _add_config_args(ben)
+    ben.add_argument("--run", help="speculative mode: a trained run directory with model.mtp_depth >= 1")
+    ben.add_argument("--repeats", type=int, default=5, help="timed repeats; medians are reported")
+    ben.set_defaults(func=cmd_bench)
+
+    sw = sub.add_parser("sweep", help="train variants x seeds (vmapped where only seeds or optimiser values "
+                                      "differ); write results.jsonl, results.md, val_loss.png")
+    sw.add_argument("sweep", help="a sweep TOML file (format: jaxgpt/sweep.py)")
+    sw.add_argument("--seeds", type=int, default=None, help="seeds per variant (default: the file's seeds, else 1)")
+    sw.add_argument("--out", default=None, help="output folder (default: runs/sweep-NAME, NAME the file's stem)")
+    sw.add_argument("--no-progress", action="store_true", help="no progress bars")
+    sw.set_defaults(func=cmd_sweep)
 
     imp = sub.add_parser("import-hf", help="make a run directory from a Hugging Face GPT-2 or Llama directory")
     imp.add_argument("hf_dir", help="a directory with config.json and model.safetensors")

@@ -1,0 +1,110 @@
+"""`jaxgpt bench`: record shapes and sane values on a tiny model, FLOPs by hand, the peak. No timing asserts."""
+
+from __future__ import annotations
+
+import json
+import math
+import types
+
+import jax
+import pytest
+
+from jaxgpt import bench
+from jaxgpt.cli import main
+from jaxgpt.config import ModelConfig, load_config
+from jaxgpt.generate import generate
+from jaxgpt.metrics import flops_per_token
+from jaxgpt.model import init_params
+
+TINY = ["model.vocab_size=64", "model.context_length=64", "model.d_model=32", "model.n_layers=2",
+        "model.n_heads=2", "train.batch_size=4"]
+
+
+def _finite_positive(*values: float) -> bool:
+    return all(isinstance(v, (int, float)) and math.isfinite(v) and v > 0 for v in values)
+
+
+def test_flops_per_token_by_hand() -> None:
+    # C=16, L=1, H=K=2 (D=8), F=64, V=64, T=8. qkv 16*(2+4)*8 = 768, out 16*16 = 256,
+    # MLP 2*16*64 = 2,048, head 64*16 = 1,024: N = 4,096, 6N = 24,576; 12*L*C*T = 1,536.
+    cfg = ModelConfig(vocab_size=64, context_length=8, d_model=16, n_layers=1, n_heads=2, hidden_size=64)
+    assert flops_per_token(cfg) == 24_576 + 1_536
+
+
+def test_measured_peak_is_positive_and_finite() -> None:
+    assert _finite_positive(bench.measure_matmul_peak(n=256, repeats=2))
+    peak, source = bench.peak_flops(repeats=1)  # the test machine is a CPU: measured, not nominal
+    assert _finite_positive(peak) and source.startswith("measured f32")
+
+
+@pytest.mark.parametrize("kind, peak", [("TPU v4", 275e12), ("TPU v5 lite", 197e12), ("TPU v5", 459e12),
+                                        ("TPU v6 lite", 918e12), ("NVIDIA A100-SXM4-40GB", 312e12),
+                                        ("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H200", 989e12)])
+def test_nominal_peak_of_known_accelerators(monkeypatch, kind: str, peak: float) -> None:
+    monkeypatch.setattr(jax, "devices", lambda: [types.SimpleNamespace(device_kind=kind)])
+    assert bench.peak_flops() == (peak, f"nominal bf16 {kind}")
+
+
+def test_cli_train_prints_json_records_then_a_table(capsys) -> None:
+    sets = [arg for item in TINY for arg in ("--set", item)]
+    assert main(["bench", "train", *sets, "--repeats", "1"]) == 0
+    out, err = capsys.readouterr()
+    records = [json.loads(line) for line in out.splitlines()]
+    assert [(r["remat"], r["dtype"]) for r in records] == [
+        (False, "float32"), (False, "bfloat16"), (True, "float32"), (True, "bfloat16")]
+    for r in records:
+        assert r["mode"] == "train"
+        assert _finite_positive(r["tokens_per_s"], r["step_ms"], r["mfu"], r["compile_s"], r["temp_bytes"])
+        assert r["tokens_per_s"] == pytest.approx(4 * 64 / (r["step_ms"] / 1e3))
+        assert r["flops_per_token"] == flops_per_token(load_config(None, TINY).model)
+    assert err.splitlines()[0].split()[:3] == ["mode", "dtype", "remat"] and len(err.splitlines()) == 5
+
+
+def test_forward_records_per_length() -> None:
+    records = list(bench.bench_forward(load_config(None, TINY), 1, lengths=(16, 128)))
+    assert [r["context"] for r in records] == [16, 128]  # learned positions widened to 128
+    for r in records:
+        assert r["mode"] == "forward" and r["batch"] == 1
+        assert _finite_positive(r["step_ms"], r["tokens_per_s"], r["mfu"], r["compile_s"])
+
+
+def test_compile_records_and_ratios() -> None:
+    records = list(bench.bench_compile(load_config(None, TINY), 1, depths=(1, 3), remat_shape=(2, 32, 2)))
+    depth = [r for r in records if "summary" not in r and "remat" not in r]
+    assert [(r["scan_layers"], r["layers"]) for r in depth] == [(True, 1), (True, 3), (False, 1), (False, 3)]
+    assert all(_finite_positive(r["compile_s"], r["temp_bytes"], r["argument_bytes"]) for r in depth)
+    by = {(r["scan_layers"], r["layers"]): r for r in depth}
+    assert by[True, 3]["argument_bytes"] > by[True, 1]["argument_bytes"]  # more layers, more params
+    ratios = [r for r in records if r.get("summary", "").startswith("compile(")]
+    assert [r["scan_layers"] for r in ratios] == [True, False]
+    assert ratios[0]["ratio"] == pytest.approx(by[True, 3]["compile_s"] / by[True, 1]["compile_s"])
+    remat = {r["remat"]: r for r in records if "remat" in r}
+    assert remat[True]["context"] == 32 and _finite_positive(remat[True]["temp_bytes"], remat[False]["step_ms"])
+    summary = records[-1]
+    assert summary["temp_ratio"] == pytest.approx(remat[True]["temp_bytes"] / remat[False]["temp_bytes"])
+
+
+def test_decode_records() -> None:
+    records = list(bench.bench_decode(load_config(None, TINY), 1))
+    methods = [r.get("method") or r["summary"] for r in records]
+    assert methods[:3] == ["kv_cache", "recompute_prefix", "kv_cache speed-up"]
+    assert [r["prompt"] for r in records[3:5]] == [6, 57]  # 100 and 900 scaled to context 64
+    for r in records[:2]:
+        assert _finite_positive(r["tokens_per_s"], r["step_ms"])
+    for r in records[3:5]:  # step_ms is a difference of two calls: at this size it may be noise
+        assert _finite_positive(r["tokens_per_s"], r["call_ms"]) and math.isfinite(r["step_ms"])
+    assert _finite_positive(records[2]["ratio"], records[-1]["ratio"])
+
+
+def test_recompute_baseline_decodes_what_the_cache_decodes() -> None:
+    # A large init spreads the logits, so greedy choices have no near-ties between the two paths.
+    model = ModelConfig(vocab_size=64, context_length=32, d_model=32, n_layers=2, n_heads=2, init_std=0.5)
+    params = init_params(model, jax.random.key(3))
+    prompt = [5, 9, 1, 33]
+    expected = generate(params, model, [prompt], 20, temperature=0.0)[0]
+    assert bench.recompute_generate(params, model, prompt, 20) == expected
+
+
+def test_unknown_mode_is_an_error() -> None:
+    with pytest.raises(ValueError, match="unknown bench mode 'fast'"):
+        bench.run_mode("fast", load_config())
