@@ -108,3 +108,8 @@ def test_recompute_baseline_decodes_what_the_cache_decodes() -> None:
 def test_unknown_mode_is_an_error() -> None:
     with pytest.raises(ValueError, match="unknown bench mode 'fast'"):
         bench.run_mode("fast", load_config())
+
+
+def test_speculative_mode_needs_a_run() -> None:
+    with pytest.raises(ValueError, match="needs --run DIR"):
+        bench.run_mode("speculative", load_config())
