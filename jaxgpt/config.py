@@ -236,6 +236,17 @@ def build_config(raw: dict[str, Any]) -> RunConfig:
     return RunConfig(**sections)
 
 
+def read_toml(path: str | Path, what: str = "config file") -> dict[str, Any]:
+    """The parsed TOML file; a missing file or bad TOML is a ConfigError naming it."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{what} not found: {path}")
+    try:
+        return tomllib.loads(path.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"{path}: invalid TOML: {err}") from None
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
                 base: RunConfig | None = None) -> RunConfig:
     """Load a TOML config and apply `section.key=value` overrides.
@@ -245,14 +256,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     """
     raw: dict[str, dict[str, Any]] = base.to_dict() if base is not None else {}
     if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file not found: {path}")
-        try:
-            loaded = tomllib.loads(path.read_text(encoding="utf-8"))
-        except tomllib.TOMLDecodeError as err:
-            raise ConfigError(f"{path}: invalid TOML: {err}") from None
-        for section, values in loaded.items():
+        for section, values in read_toml(path).items():
             if isinstance(values, dict) and isinstance(raw.get(section), dict):
                 raw[section].update(values)
             else:

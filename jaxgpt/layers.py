@@ -129,7 +129,6 @@ class CausalSelfAttention(nn.Module):
         cfg = self.cfg
         B, T, _ = x_BTC.shape
         H, K, D = cfg.n_heads, cfg.kv_heads, cfg.head_size
-        dtype = compute_dtype(cfg)
         qkv = dense(cfg, (H + 2 * K) * D, "qkv")(x_BTC)
         q_BTHD = qkv[..., : H * D].reshape(B, T, H, D)
         k_BTKD = qkv[..., H * D : (H + K) * D].reshape(B, T, K, D)

@@ -41,7 +41,6 @@ import math
 import os
 import sys
 import time
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,7 +49,7 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from jaxgpt.config import ConfigError, RunConfig, TrainConfig, load_config
+from jaxgpt.config import ConfigError, RunConfig, TrainConfig, load_config, read_toml
 from jaxgpt.model import count_params
 from jaxgpt.optim import OptHParams
 from jaxgpt.step import TrainState, eval_step, init_state, train_step
@@ -112,12 +111,7 @@ def _overrides(where: str, value: Any) -> tuple[str, ...]:
 def load_sweep(path: str | Path, seeds: int | None = None) -> Sweep:
     """Read and validate a sweep file; every variant's config is resolved (and so checked) here."""
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"sweep file not found: {path}")
-    try:
-        raw = tomllib.loads(path.read_text(encoding="utf-8"))
-    except tomllib.TOMLDecodeError as err:
-        raise ConfigError(f"{path}: invalid TOML: {err}") from None
+    raw = read_toml(path, "sweep file")
     _check_keys(str(path), raw, SWEEP_KEYS)
     base = raw.get("base")
     if base is not None:
