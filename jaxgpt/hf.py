@@ -381,13 +381,9 @@ def export_hf(cfg: ModelConfig, params: Params, out_dir: str | Path) -> Path:
 
 def import_hf_run(hf_dir: str | Path, out_dir: str | Path) -> Path:
     """A run directory (config.toml, tokenizer.json if the HF dir has one, a step-0 checkpoint)."""
-    import dataclasses
-
-    import jax
-
     from jaxgpt.checkpoint import Checkpointer
     from jaxgpt.config import DataConfig, RunConfig
-    from jaxgpt.step import init_state
+    from jaxgpt.step import state_from_params
 
     hf_dir, run_dir = Path(hf_dir), Path(out_dir)
     if (run_dir / "checkpoints").exists() or (run_dir / "config.toml").exists():
@@ -397,8 +393,7 @@ def import_hf_run(hf_dir: str | Path, out_dir: str | Path) -> Path:
     data = DataConfig(tokenizer=str((run_dir / "tokenizer.json").absolute())) if tokenizer_src.is_file() \
         else DataConfig()
     cfg = RunConfig(model=model, data=data)
-    state = init_state(cfg, jax.random.key(0))
-    state = dataclasses.replace(state, params=params)
+    state = state_from_params(cfg, params)
     run_dir.mkdir(parents=True, exist_ok=True)
     manifest: dict[str, Any] = {"config": cfg.to_dict(), "imported_from": str(hf_dir.absolute())}
     if tokenizer_src.is_file():

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
@@ -21,8 +20,7 @@ from jaxgpt import parallel
 from jaxgpt.checkpoint import on_one_device
 from jaxgpt.config import RunConfig
 from jaxgpt.model import Params
-from jaxgpt.optim import make_optimizer
-from jaxgpt.step import TrainState, compile_steps, eval_step, init_state
+from jaxgpt.step import TrainState, compile_steps, eval_step, init_state, state_from_params
 
 
 @dataclass
@@ -43,8 +41,7 @@ class Runtime:
 
     def state_from_params(self, params: Params) -> TrainState:
         """A step-0 state holding `params` (host or device arrays), laid out for the mode."""
-        state = TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                           opt_state=make_optimizer(self.cfg.train).init(params))
+        state = state_from_params(self.cfg, params)
         if self.mode == "sharded":
             return jax.device_put(state, self.shardings)
         state = jax.device_put(state, jax.devices()[0])

@@ -30,7 +30,11 @@ def window_length(model: ModelConfig) -> int:
 
 
 def init_state(cfg: RunConfig, rng: jax.Array) -> TrainState:
-    params = init_params(cfg.model, rng)
+    return state_from_params(cfg, init_params(cfg.model, rng))
+
+
+def state_from_params(cfg: RunConfig, params: Params) -> TrainState:
+    """A step-0 state holding `params` (fresh ones, or imported weights to fine-tune)."""
     return TrainState(step=jnp.zeros((), jnp.int32), params=params,
                       opt_state=make_optimizer(cfg.train).init(params))
 
