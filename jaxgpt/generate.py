@@ -119,11 +119,15 @@ def _next_tokens(logits: jax.Array, pos_B: jax.Array, rng: jax.Array, draft: int
                  options: dict[str, Any]) -> tuple[jax.Array, jax.Array]:
     """The sampled next token [B] at each row's position, and the adapters' greedy drafts [B, draft]."""
     main = logits[0] if draft else logits
-    tokens_B = sample_logits(_at(main, pos_B), rng, **options)
+    return sample_logits(_at(main, pos_B), rng, **options), _drafts(logits, pos_B, draft)
+
+
+def _drafts(logits: jax.Array, pos_B: jax.Array, draft: int) -> jax.Array:
+    """The adapters' greedy drafts [B, draft] read at each row's position ([B, 0] without drafts)."""
     if not draft:
-        return tokens_B, jnp.zeros((pos_B.shape[0], 0), jnp.int32)
+        return jnp.zeros((pos_B.shape[0], 0), jnp.int32)
     ahead_DBV = jax.vmap(lambda l: _at(l, pos_B))(logits[1: 1 + draft])
-    return tokens_B, jnp.argmax(ahead_DBV, axis=-1).T.astype(jnp.int32)
+    return jnp.argmax(ahead_DBV, axis=-1).T.astype(jnp.int32)
 
 
 def _select(take_B: jax.Array, a: Any, b: Any) -> Any:
@@ -191,8 +195,7 @@ def _step(params: Params, state: dict[str, Any], stop_token: jax.Array, key: jax
         greedy_BJ = jnp.argmax(logits[0], axis=-1).astype(jnp.int32)
         agree_B = jnp.cumprod(greedy_BJ[:, :draft] == state["drafts"], axis=1).sum(axis=1)
         agree_B = jnp.clip(agree_B, 0, C - 1 - cache["index"]).astype(jnp.int32)
-        _, drafts_BD = _next_tokens(logits, agree_B, rng, draft, options)
-        stepped = (greedy_BJ, agree_B + 1, drafts_BD)
+        stepped = (greedy_BJ, agree_B + 1, _drafts(logits, agree_B, draft))
     else:
         tokens_B, drafts_BD = _next_tokens(logits, jnp.zeros_like(length_B), rng, draft, options)
         stepped = (tokens_B[:, None], jnp.ones_like(length_B), drafts_BD)
