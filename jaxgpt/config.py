@@ -110,8 +110,10 @@ class TrainConfig:
     steps: int = 1500
     batch_size: int = 32  # global, summed over devices and micro-batches
     grad_accum: int = 1
-    lr: float = 3e-3
+    optimizer: str = "adamw"  # or "muon": Muon for the hidden matrices, AdamW for the rest
+    lr: float = 3e-3  # AdamW's peak (with "muon": that of embeddings, head, norms and biases)
     min_lr: float = 3e-4
+    muon_lr: float = 0.02  # Muon's peak, on the same schedule shape (min_lr / lr of it at the end)
     warmup_steps: int = 100
     weight_decay: float = 0.1
     beta1: float = 0.9
@@ -131,11 +133,12 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         s = "train"
-        _positive(s, self, "steps", "batch_size", "grad_accum", "lr", "log_every", "eval_every")
+        _positive(s, self, "steps", "batch_size", "grad_accum", "lr", "muon_lr", "log_every", "eval_every")
         _positive(s, self, "eval_batches", "checkpoint_every", "keep_checkpoints", "fsdp", "adam_eps")
         _positive(s, self, "min_lr", "warmup_steps", "weight_decay", "clip_norm", "sample_tokens",
                   "seed", "mtp_weight", allow_zero=True)
         _choice(s, "parallel", self.parallel, ("auto", "single", "sharded", "pmap"))
+        _choice(s, "optimizer", self.optimizer, ("adamw", "muon"))
         if self.min_lr > self.lr:
             raise ConfigError(f"train.min_lr = {self.min_lr} exceeds train.lr = {self.lr}")
         for name in ("beta1", "beta2"):

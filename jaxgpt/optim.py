@@ -1,5 +1,6 @@
 """The optimiser: global-norm clipping, then AdamW with a weight-decay mask and a
-warmup + cosine learning-rate schedule.
+warmup + cosine learning-rate schedule; or, with `train.optimizer = "muon"`, Muon for the hidden
+weight matrices and that same AdamW for everything else.
 
 Gradient accumulation is not done here: the train step scans over micro-batches and hands
 the optimiser one averaged gradient per step.
@@ -30,6 +31,7 @@ class OptHParams(NamedTuple):
     weight_decay: Any
     beta1: Any
     beta2: Any
+    muon_lr: Any
 
     @classmethod
     def from_config(cls, cfg: TrainConfig) -> OptHParams:
@@ -77,17 +79,59 @@ def decay_mask(params: Any) -> Any:
     return jax.tree_util.tree_map_with_path(lambda path, _: _leaf_name(path) == "kernel", params)
 
 
+MUON_MOMENTUM = 0.95  # Muon's own (Nesterov) momentum; beta1 and beta2 are the AdamW part's
+
+
+def muon_mask(params: Any) -> Any:
+    """True for the leaves Muon updates: the hidden weight matrices (every `kernel` but the output
+    head's). Embeddings, the head, norms and biases stay with AdamW, as in Muon's own recipe."""
+    def is_hidden_matrix(path: tuple[Any, ...], leaf: Any) -> bool:
+        return _leaf_name(path) == "kernel" and leaf.ndim >= 2 and "lm_head" not in jax.tree_util.keystr(path)
+    return jax.tree_util.tree_map_with_path(is_hidden_matrix, params)
+
+
+def _matrix_axes(updates: Any) -> Any:
+    """Kernels are [..., in, out]; leading axes (the scanned layer stack) are a batch of matrices."""
+    return jax.tree_util.tree_map(
+        lambda u: optax.contrib.MuonDimensionNumbers(reduction_axis=u.ndim - 2, output_axis=u.ndim - 1), updates)
+
+
+def _scale_by_width() -> optax.GradientTransformation:
+    """Muon's orthogonalised update has unit singular values; scaling it by sqrt(max(1, out / in))
+    (as Muon does) gives wide-output matrices the same per-entry step size as square ones."""
+    return optax.stateless(lambda updates, params: jax.tree_util.tree_map(
+        lambda u: u * max(1.0, u.shape[-1] / u.shape[-2]) ** 0.5, updates))
+
+
+def _muon(schedule: optax.Schedule, weight_decay: Any) -> optax.GradientTransformation:
+    """Momentum, orthogonalised by Newton-Schulz (optax.contrib), then decoupled decay, as AdamW."""
+    return optax.chain(
+        optax.contrib.scale_by_muon(beta=MUON_MOMENTUM, weight_dimension_numbers=_matrix_axes),
+        _scale_by_width(),
+        optax.add_decayed_weights(weight_decay),
+        optax.scale_by_learning_rate(schedule),
+    )
+
+
 def make_optimizer(cfg: TrainConfig, hparams: OptHParams | None = None) -> optax.GradientTransformation:
-    """clip_by_global_norm(clip_norm) (skipped when clip_norm == 0), then masked AdamW.
+    """clip_by_global_norm(clip_norm) (skipped when clip_norm == 0), then masked AdamW; with
+    `optimizer = "muon"`, the hidden matrices (`muon_mask`) get Muon at `muon_lr` instead, on the
+    same warmup + cosine schedule shape, and the rest keep AdamW at `lr`.
 
     `hparams` (default: the config's) may hold traced values: a vmapped sweep builds one
     optimiser per member inside the traced step. The optimiser state does not depend on them.
     """
     hp = OptHParams.from_config(cfg) if hparams is None else hparams
-    adamw = optax.adamw(
-        lr_schedule(cfg, hp), b1=hp.beta1, b2=hp.beta2, eps=cfg.adam_eps,
-        weight_decay=hp.weight_decay, mask=decay_mask,
+    schedule = lr_schedule(cfg, hp)
+    update: optax.GradientTransformation = optax.adamw(
+        schedule, b1=hp.beta1, b2=hp.beta2, eps=cfg.adam_eps, weight_decay=hp.weight_decay, mask=decay_mask,
     )
+    if cfg.optimizer == "muon":
+        muon_schedule = lambda count: schedule(count) * (hp.muon_lr / hp.lr)  # noqa: E731
+        update = optax.partition(
+            {"muon": _muon(muon_schedule, hp.weight_decay), "adamw": update},
+            lambda params: jax.tree_util.tree_map(lambda m: "muon" if m else "adamw", muon_mask(params)),
+        )
     if cfg.clip_norm > 0:
-        return optax.chain(optax.clip_by_global_norm(cfg.clip_norm), adamw)
-    return optax.chain(adamw)
+        return optax.chain(optax.clip_by_global_norm(cfg.clip_norm), update)
+    return optax.chain(update)

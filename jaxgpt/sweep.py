@@ -17,7 +17,7 @@ A sweep file is TOML:
 
 A member is one (variant, seed) run. Members whose resolved configs differ only in the keys of
 `VMAPPED_KEYS` (train.seed and the optimiser values lr, min_lr, warmup_steps, weight_decay, beta1,
-beta2) form a group and train together in one compiled program: `jax.vmap` over a leading member
+beta2, muon_lr) form a group and train together in one compiled program: `jax.vmap` over a leading member
 axis of the train state, the batch, the optimiser hyperparameters (`jaxgpt.optim.OptHParams`,
 traced) and the seed. Each member's init key, batches, dropout keys and updates are those
 `jaxgpt.train.train` would use for that member's config, through the same `train_step`, so a

@@ -83,6 +83,8 @@ def manifest(cfg: RunConfig, data: RunData) -> dict[str, Any]:
 
 
 FORCEABLE_SECTIONS = ("train", "data")  # what --force may change on resume; the model never
+# ... except these: another tokenizer's IDs mean other tokens, another optimiser's state another tree
+UNFORCEABLE_KEYS = ("data.tokenizer", "train.optimizer")
 
 
 def check_config_change(saved: RunConfig, new: RunConfig, run_dir: Path, force: bool) -> None:
@@ -93,11 +95,11 @@ def check_config_change(saved: RunConfig, new: RunConfig, run_dir: Path, force: 
                and f"{section}.{key}" not in RUN_LENGTH_KEYS]
     if force:
         changed = [name for name in changed if name.split(".")[0] not in FORCEABLE_SECTIONS
-                   or name == "data.tokenizer"]
+                   or name in UNFORCEABLE_KEYS]
     if changed:
         detail = "; ".join(f"{name} was {_lookup(old_values, name)!r}, now {_lookup(new_values, name)!r}"
                            for name in changed)
-        hint = "" if force or any(n.startswith("model.") or n == "data.tokenizer" for n in changed) else \
+        hint = "" if force or any(n.startswith("model.") or n in UNFORCEABLE_KEYS for n in changed) else \
             " (--force accepts changes to [train] and [data] keys)"
         raise ValueError(f"cannot resume {run_dir}: {detail}{hint}")
 

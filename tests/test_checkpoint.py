@@ -158,6 +158,8 @@ def test_fresh_resume_says_so(corpus, tmp_path, capsys):
     (["--set", "model.d_model=64"], "model.d_model was 128, now 64"),
     (["--set", "data.tokenizer=bpe", "--set", "model.vocab_size=300"], "data.tokenizer was 'char', now 'bpe'"),
     (["--data", "OTHER"], "data.source was"),
+    # another optimiser's state is another tree: not even --force resumes with it
+    (["--set", "train.optimizer=muon", "--force"], "train.optimizer was 'adamw', now 'muon'"),
 ])
 def test_resume_refuses_a_changed_run(reference, corpus, change, message, tmp_path, capsys):
     ref_run, _, _ = reference

@@ -58,6 +58,8 @@ def test_fingerprint_tracks_every_value():
     (["model.bias=1"], "model.bias = 1 must be a bool"),
     (["train.batch_size=10", "train.grad_accum=3"], "train.batch_size = 10 is not divisible by train.grad_accum = 3"),
     (["model.n_layers"], "must look like section.key=value"),
+    (["train.optimizer=sgd"], "train.optimizer = 'sgd' is not one of adamw, muon"),
+    (["train.muon_lr=0"], "train.muon_lr"),
 ])
 def test_validation_names_the_key_and_why(overrides, message):
     with pytest.raises(ConfigError) as err:
@@ -113,3 +115,10 @@ def test_base_config_under_the_file_and_overrides(tmp_path):
     assert (cfg.model.d_model, cfg.model.n_heads, cfg.model.n_layers) == (64, 4, 3)
     assert cfg.data.tokenizer == "char" and cfg.train.steps == 7
     assert load_config(None, [], base=base) == base
+
+
+@pytest.mark.parametrize("path", sorted(p for p in (ROOT / "experiments").glob("*.toml") if "[model]" in p.read_text()),
+                         ids=lambda p: p.name)
+def test_committed_run_configs_load(path):
+    cfg = load_config(path)
+    assert cfg.model.n_layers >= 1 and cfg.train.steps >= 1

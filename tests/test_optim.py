@@ -8,7 +8,7 @@ import optax
 import pytest
 
 from jaxgpt.config import TrainConfig
-from jaxgpt.optim import decay_mask, lr_schedule, make_optimizer
+from jaxgpt.optim import MUON_MOMENTUM, decay_mask, lr_schedule, make_optimizer, muon_mask
 
 CFG = TrainConfig(steps=100, warmup_steps=10, lr=1e-3, min_lr=1e-4)
 
@@ -113,3 +113,67 @@ def test_clipping_bounds_the_gradient_adam_sees() -> None:
     huge_norm = float(optax.tree.norm(huge))
     assert first_moment_norm(1.0, huge, params) == pytest.approx(0.1 * 1.0, rel=1e-5)
     assert first_moment_norm(0.0, huge, params) == pytest.approx(0.1 * huge_norm, rel=1e-5)
+
+
+def with_head(params: dict) -> dict:
+    return {**params, "lm_head": {"kernel": jnp.ones((4, 16))}}
+
+
+def test_muon_takes_the_hidden_matrices_only() -> None:
+    # Not the output head (a kernel too), embeddings, norms or biases: those stay with AdamW.
+    assert decayed_paths(muon_mask(with_head(small_params()))) == KERNELS
+
+
+def polar(matrix: np.ndarray) -> np.ndarray:
+    """The nearest orthogonal matrix U V^T: what Muon's Newton-Schulz iteration approximates."""
+    u, _, vt = np.linalg.svd(matrix, full_matrices=False)
+    return u @ vt
+
+
+def test_muon_orthogonalises_matrix_updates_and_leaves_the_rest_to_adamw() -> None:
+    cfg = dataclasses.replace(CFG, optimizer="muon", muon_lr=0.05, warmup_steps=0, weight_decay=0.0, clip_norm=0.0)
+    params = with_head(small_params())
+    leaves, treedef = jax.tree_util.tree_flatten(params)
+    keys = jax.random.split(jax.random.key(0), len(leaves))
+    grads = jax.tree_util.tree_unflatten(treedef, [jax.random.normal(k, p.shape) for k, p in zip(keys, leaves)])
+    muon = make_optimizer(cfg)
+    updates, _ = jax.jit(muon.update)(grads, muon.init(params), params)
+    adamw = make_optimizer(dataclasses.replace(cfg, optimizer="adamw"))
+    adam_updates, _ = jax.jit(adamw.update)(grads, adamw.init(params), params)
+    mask = muon_mask(params)
+    checked = 0
+    for (path, update), adam_update, grad, is_muon in zip(
+            jax.tree_util.tree_flatten_with_path(updates)[0], jax.tree_util.tree_leaves(adam_updates),
+            jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(mask)):
+        name = jax.tree_util.keystr(path)
+        if not is_muon:  # the same AdamW as without Muon, at train.lr
+            np.testing.assert_allclose(update, adam_update, rtol=1e-6, err_msg=name)
+            continue
+        # First step: the Nesterov momentum is a positive multiple of the gradient, so the update
+        # is -muon_lr * sqrt(max(1, out / in)) * polar(gradient), one matrix per layer of the stack.
+        width = max(1.0, update.shape[-1] / update.shape[-2]) ** 0.5
+        for layer in range(update.shape[0]):
+            step = -np.asarray(update[layer]) / (0.05 * width)
+            target = polar(np.asarray(grad[layer]))
+            cosine = np.sum(step * target) / (np.linalg.norm(step) * np.linalg.norm(target))
+            singular = np.linalg.svd(step, compute_uv=False)
+            assert cosine > 0.95, (name, layer, cosine)
+            assert 0.5 < singular.min() and singular.max() < 1.3, (name, layer, singular)
+            checked += 1
+    assert checked == 2 * len(KERNELS) and MUON_MOMENTUM == 0.95
+
+
+def test_muon_decays_its_matrices_at_muon_lr() -> None:
+    cfg = dataclasses.replace(CFG, optimizer="muon", muon_lr=0.05, warmup_steps=0, weight_decay=0.1)
+    params = with_head(small_params())
+    optimizer = make_optimizer(cfg)
+    grads = jax.tree.map(jnp.zeros_like, params)
+    updates, _ = jax.jit(optimizer.update)(grads, optimizer.init(params), params)
+    new = optax.apply_updates(params, updates)
+    # Zero gradient: only decoupled decay moves a leaf, by lr * wd of the optimiser it belongs to.
+    for path, leaf in jax.tree_util.tree_flatten_with_path(new)[0]:
+        name = jax.tree_util.keystr(path)
+        expected = {True: 1.0 - 0.05 * 0.1, False: 1.0}[name in KERNELS]
+        if name == "['lm_head']['kernel']":
+            expected = 1.0 - 1e-3 * 0.1  # AdamW's kernel, at train.lr
+        np.testing.assert_allclose(leaf, expected, rtol=1e-6, err_msg=name)

@@ -6,9 +6,9 @@ import jax
 import numpy as np
 
 from jaxgpt.config import RunConfig, load_config
-from jaxgpt.model import init_params
+from jaxgpt.model import init_params, unstack_blocks
 from jaxgpt.optim import decay_mask
-from jaxgpt.step import depth_losses, init_state, train_step, window_length
+from jaxgpt.step import depth_losses, init_state, state_from_params, train_step, window_length
 
 TINY = ["model.vocab_size=64", "model.context_length=8", "model.d_model=32", "model.n_heads=4",
         "train.steps=10", "train.warmup_steps=2"]
@@ -62,3 +62,25 @@ def test_depth_losses_use_shifted_targets():
     logits = forward(params, cfg.model, window[:, :T], all_depths=True)
     second = optax.softmax_cross_entropy_with_integer_labels(logits[2], window[:, 3:3 + T]).mean()
     np.testing.assert_allclose(depths[2], second, rtol=1e-6)
+
+
+def muon_losses(scan_layers: bool, steps: int = 8) -> list[float]:
+    cfg = load_config(None, [*TINY, "train.optimizer=muon", "train.muon_lr=0.05", "train.batch_size=4",
+                             "model.tie_embeddings=false", "model.mtp_depth=1", f"model.scan_layers={str(scan_layers).lower()}"])
+    scanned = dataclasses.replace(cfg.model, scan_layers=True)
+    params = init_params(scanned, jax.random.key(0))  # the same weights either way
+    state, batch = state_from_params(cfg, params if scan_layers else unstack_blocks(params, scanned)), batch_for(cfg, 4)
+    step = jax.jit(lambda s, b: train_step(cfg, s, b))
+    losses = []
+    for _ in range(steps):
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    return losses
+
+
+def test_muon_trains_the_real_tree_layer_by_layer():
+    # A scanned stack's kernels are [L, in, out]; Muon must orthogonalise each layer's matrix on its
+    # own, exactly as for the unscanned model's separate 2-D kernels.
+    scanned, unrolled = muon_losses(True), muon_losses(False)
+    np.testing.assert_allclose(scanned, unrolled, rtol=2e-4)
+    assert scanned[-1] < 0.9 * scanned[0]  # and it learns the fixed batch (4.16 -> 3.40 nats)
