@@ -148,12 +148,13 @@ class Decoder(nn.Module):
 def _block_class(cfg: ModelConfig) -> type[nn.Module]:
     """The block, wrapped in `nn.remat` when its backward pass should recompute.
 
-    `model.remat` recomputes the whole block. Without it, a scanned stack on CPU still saves only
-    the matmul outputs and recomputes the cheap elementwise work (norms, GELU, softmax) in the
-    backward pass: the same matmuls, but about half the per-layer residuals, which the scan
-    stacks into buffers that XLA CPU zero-fills, copies and page-faults afresh every step (about
-    a fifth of the step time; scripts/perf_notes.md). GPU and TPU keep XLA's own choices (a fused
-    attention kernel is no dot and would be recomputed).
+    `model.remat` recomputes the whole block; on CPU its attention then runs in tiles, so that no
+    backward holds a [T, T] square (`layers.REMAT_TILE`). Without it, a scanned stack on CPU still
+    saves only the matmul outputs and recomputes the cheap elementwise work (norms, GELU, softmax)
+    in the backward pass: the same matmuls, but about half the per-layer residuals, which the
+    scan stacks into buffers that XLA CPU zero-fills, copies and page-faults afresh every step
+    (about a fifth of the step time; scripts/perf_notes.md). GPU and TPU keep XLA's own choices
+    (a fused attention kernel is no dot and would be recomputed).
     """
     if cfg.remat:
         return nn.remat(TransformerBlock, prevent_cse=not cfg.scan_layers)

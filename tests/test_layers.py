@@ -3,8 +3,9 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
-from jaxgpt.layers import flat_dot_general, gelu_tanh
+from jaxgpt.layers import blocked_causal_attention, flat_dot_general, gelu_tanh
 
 
 def test_gelu_tanh_matches_jax_gelu_in_value_and_gradient():
@@ -36,3 +37,55 @@ def test_flat_dot_general_matches_dot_general_and_its_gradients():
     batched = (((2,), (1,)), ((0,), (0,)))
     y = jax.random.normal(kw, (3, 8, 2))
     np.testing.assert_array_equal(flat_dot_general(x, y, batched), jax.lax.dot_general(x, y, batched))
+
+
+def _qkv(B, T, H, K, D, dtype=jnp.float32):
+    kq, kk, kv = jax.random.split(jax.random.key(2), 3)
+    return (jax.random.normal(kq, (B, T, H, D), dtype), jax.random.normal(kk, (B, T, K, D), dtype),
+            jax.random.normal(kv, (B, T, K, D), dtype))
+
+
+def _library_attention(q, k, v):
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+
+
+@pytest.mark.parametrize("T, H, K, tile", [
+    (64, 4, 2, 16),   # four tiles a side, two query heads per KV head
+    (40, 2, 1, 16),   # T not a multiple of the tile: the last tile is padded; one KV head
+    (64, 2, 2, None),  # the query blocks without tiles
+    (16, 2, 2, 16),   # one tile: the query blocks too
+])
+def test_causal_attention_matches_library_attention_in_value_and_gradient(T, H, K, tile):
+    q, k, v = _qkv(2, T, H, K, 8)
+    w = jax.random.normal(jax.random.key(3), q.shape)  # a cotangent that differs per position
+    ours = lambda q, k, v: blocked_causal_attention(q, k, v, tile=tile)
+    np.testing.assert_allclose(jax.jit(ours)(q, k, v), _library_attention(q, k, v), rtol=1e-5, atol=1e-5)
+    grad = lambda f: jax.jit(jax.grad(lambda *qkv: jnp.sum(f(*qkv) * w), argnums=(0, 1, 2)))
+    grads, expected = grad(ours)(q, k, v), grad(_library_attention)(q, k, v)
+    for a, b in zip(grads, expected):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_tiled_attention_in_bfloat16_keeps_dtype_and_stays_close():
+    q, k, v = _qkv(2, 48, 4, 2, 16, jnp.bfloat16)
+    attend = jax.jit(lambda q: blocked_causal_attention(q, k, v, tile=16))
+    out = attend(q)
+    assert out.dtype == jnp.bfloat16
+    expected = _library_attention(*(x.astype(jnp.float32) for x in (q, k, v)))
+    np.testing.assert_allclose(out.astype(jnp.float32), expected, atol=3e-2)
+    dq = jax.jit(jax.grad(lambda q: jnp.sum(attend(q).astype(jnp.float32))))(q)
+    assert dq.dtype == jnp.bfloat16 and bool(jnp.isfinite(dq.astype(jnp.float32)).all())
+
+
+def test_tiled_attention_gradient_needs_no_square_of_scores():
+    """Compiled temp memory of the gradient: tiles hold [tile, tile] scores, the blocked path a
+    triangle of [T, T] probabilities (here 2 x 1024 x 1024 float32, 8 MB for the whole square)."""
+    q, k, v = _qkv(1, 1024, 2, 2, 16)
+
+    def temp_bytes(tile):
+        loss = lambda *qkv: jnp.sum(blocked_causal_attention(*qkv, tile=tile) ** 2)
+        grad = jax.grad(loss, argnums=(0, 1, 2))
+        return jax.jit(grad).lower(q, k, v).compile().memory_analysis().temp_size_in_bytes
+
+    blocked, tiled = temp_bytes(None), temp_bytes(64)
+    assert blocked > 4e6 and tiled < blocked / 4, (blocked, tiled)

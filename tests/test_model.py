@@ -164,13 +164,19 @@ def test_scanned_and_unrolled_layouts_agree_and_jit_matches_eager():
     assert jax.tree_util.tree_structure(fresh) == jax.tree_util.tree_structure(unrolled)
 
 
-def test_remat_changes_nothing_but_memory():
-    cfg = dataclasses.replace(TINY, remat=True)
+@pytest.mark.parametrize("overrides, length", [
+    ({}, 8),
+    # Past REMAT_TILE (128): remat's tiled attention runs two tiles, the second padded; GQA, RoPE.
+    ({"context_length": 160, "kv_heads": 2, "position": "rope"}, 160),
+])
+def test_remat_changes_nothing_but_memory(overrides, length):
+    cfg = dataclasses.replace(TINY, remat=True, **overrides)
     params = init_params(cfg, jax.random.key(0))
-    tokens = random_tokens(cfg, 2, 8)
-    grad = jax.jit(jax.grad(lambda p, c: forward(p, c, tokens).mean()), static_argnums=1)
-    g_remat = grad(params, cfg)
-    g_plain = grad(params, dataclasses.replace(cfg, remat=False))
+    tokens = random_tokens(cfg, 2, length)
+    grad = jax.jit(jax.value_and_grad(lambda p, c: forward(p, c, tokens).std()), static_argnums=1)
+    v_remat, g_remat = grad(params, cfg)
+    v_plain, g_plain = grad(params, dataclasses.replace(cfg, remat=False))
+    np.testing.assert_allclose(v_remat, v_plain, rtol=1e-6)
     jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), g_remat, g_plain)
 
 
