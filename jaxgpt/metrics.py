@@ -9,16 +9,18 @@ import collections
 import json
 import math
 import os
+import sys
 import tempfile
 import time
 from numbers import Real
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Callable
-
-from tensorboardX import SummaryWriter
+from typing import TYPE_CHECKING, Any, Callable
 
 from jaxgpt.config import ModelConfig
+
+if TYPE_CHECKING:
+    from tensorboardX import SummaryWriter
 
 RECORD_TYPES = ("train", "eval", "sample", "summary")
 
@@ -40,6 +42,23 @@ def _validate(record: dict[str, Any]) -> None:
         raise ValueError(f"metrics record type {record['type']!r} is not one of {', '.join(RECORD_TYPES)}")
     if isinstance(record["step"], bool) or not isinstance(record["step"], int):
         raise ValueError(f"metrics record step must be an int, got {record['step']!r}")
+
+
+def _summary_writer(log_dir: Path) -> SummaryWriter:
+    """tensorboardX's writer, imported without PyTorch.
+
+    tensorboardX imports torch whenever it is installed (1-2 s of every run's start) only to accept
+    torch tensors; we write floats. torch is hidden during that import unless already loaded.
+    """
+    hide_torch = "torch" not in sys.modules
+    if hide_torch:
+        sys.modules["torch"] = None  # type: ignore[assignment]  # makes `import torch` fail fast
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        if hide_torch:
+            del sys.modules["torch"]
+    return SummaryWriter(str(log_dir), flush_secs=10)
 
 
 def _drop_partial_last_line(path: Path) -> None:
@@ -69,7 +88,7 @@ class MetricsWriter:
             path = self.run_dir / "metrics.jsonl"
             _drop_partial_last_line(path)
             self._jsonl = path.open("a", encoding="utf-8")
-            self._tensorboard = SummaryWriter(str(self.run_dir / "tensorboard"), flush_secs=10)
+            self._tensorboard = _summary_writer(self.run_dir / "tensorboard")
 
     def write(self, record: dict[str, Any]) -> None:
         record = {key: _plain(value) for key, value in record.items()}

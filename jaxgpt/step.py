@@ -6,6 +6,7 @@ and the targets of prediction depth d are the T tokens starting d + 1 later.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import flax.struct
@@ -29,6 +30,7 @@ def window_length(model: ModelConfig) -> int:
     return model.context_length + 1 + model.mtp_depth
 
 
+@functools.partial(jax.jit, static_argnums=0)  # one compile instead of one per eager op
 def init_state(cfg: RunConfig, rng: jax.Array) -> TrainState:
     return state_from_params(cfg, init_params(cfg.model, rng))
 
