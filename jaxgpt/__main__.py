@@ -1,3 +1,3 @@
-from jaxgpt.cli import main
+from jaxgpt.cli import entry
 
-raise SystemExit(main())
+raise SystemExit(entry())

@@ -26,6 +26,7 @@ import jax
 import numpy as np
 
 from jaxgpt.bench import peak_flops
+from jaxgpt.cli import hugepage_malloc_env
 from jaxgpt.config import load_config
 from jaxgpt.hf import export_hf
 from jaxgpt.metrics import flops_per_token, mfu
@@ -163,4 +164,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    env = hugepage_malloc_env(os.environ)
+    if env is not None:  # both frameworks get the malloc the `jaxgpt` command runs with
+        os.execve(sys.executable, [sys.executable, *sys.argv], env)
     main()

@@ -122,3 +122,46 @@ def test_base_config_under_the_file_and_overrides(tmp_path):
 def test_committed_run_configs_load(path):
     cfg = load_config(path)
     assert cfg.model.n_layers >= 1 and cfg.train.steps >= 1
+
+
+def test_hugepage_malloc_applies_to_glibc_linux_only(monkeypatch):
+    from jaxgpt import cli
+
+    monkeypatch.setattr(cli.sys, "platform", "linux")
+    monkeypatch.setattr(cli.platform, "libc_ver", lambda: ("glibc", "2.36"))
+    env = cli.hugepage_malloc_env({"PATH": "/bin"})
+    assert env == {"PATH": "/bin", "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
+    assert cli.hugepage_malloc_env({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}) is None  # the user's own
+    assert cli.hugepage_malloc_env({"JAXGPT_HUGEPAGE_MALLOC": "0"}) is None  # opted out
+    monkeypatch.setattr(cli.platform, "libc_ver", lambda: ("glibc", "2.31"))  # before the tunable existed
+    assert cli.hugepage_malloc_env({}) is None
+    monkeypatch.setattr(cli.platform, "libc_ver", lambda: ("", ""))  # musl and others
+    assert cli.hugepage_malloc_env({}) is None
+    monkeypatch.setattr(cli.sys, "platform", "darwin")
+    assert cli.hugepage_malloc_env({}) is None
+
+
+def test_console_entry_reruns_itself_once_with_the_tunable(monkeypatch):
+    from jaxgpt import cli
+
+    class Exec(Exception):
+        pass
+
+    def fake_execve(path, args, env):
+        raise Exec(path, args, env)
+
+    monkeypatch.setattr(cli.sys, "platform", "linux")
+    monkeypatch.setattr(cli.platform, "libc_ver", lambda: ("glibc", "2.36"))
+    monkeypatch.setattr(cli.os, "execve", fake_execve)
+    monkeypatch.setattr(cli.sys, "argv", ["jaxgpt", "train", "--steps", "3"])
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    monkeypatch.delenv("JAXGPT_HUGEPAGE_MALLOC", raising=False)
+    with pytest.raises(Exec) as called:
+        cli.entry()
+    path, args, env = called.value.args
+    assert path == sys.executable and args == [sys.executable, "-m", "jaxgpt", "train", "--steps", "3"]
+    assert env["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=1"
+    # The re-run process has the variable set, so it goes straight to main().
+    monkeypatch.setenv("GLIBC_TUNABLES", env["GLIBC_TUNABLES"])
+    monkeypatch.setattr(cli, "main", lambda: 7)
+    assert cli.entry() == 7
