@@ -289,11 +289,7 @@ def hugepage_malloc_env(environ: Mapping[str, str]) -> dict[str, str] | None:
     if sys.platform != "linux" or "GLIBC_TUNABLES" in environ or environ.get("JAXGPT_HUGEPAGE_MALLOC") == "0":
         return None
     libc, version = platform.libc_ver()
-    try:
-        new_enough = tuple(int(part) for part in version.split(".")[:2]) >= (2, 35)  # the tunable's first release
-    except ValueError:
-        return None
-    if libc != "glibc" or not new_enough:
+    if libc != "glibc" or tuple(int(part) for part in version.split(".")[:2]) < (2, 35):  # the tunable's first
         return None
     return {**environ, "GLIBC_TUNABLES": HUGEPAGE_MALLOC}
 
