@@ -4,6 +4,8 @@
     .venv/bin/python scripts/bench_step.py --config experiments/day1.toml --set train.batch_size=32
 
 Prints one JSON line per measurement: mode, median/min step_ms, tokens_per_s, compile_s.
+Mode `step-no-attention` (CPU) times the same step with the attention replaced by a same-shape
+stand-in (q + k + v): its difference from `step` is what the attention costs inside the step.
 Each repeat times `--iters` consecutive calls and the median over `--repeats` is reported, so a
 neighbour's burst of CPU use shifts the minimum and median less than a single long run.
 """
@@ -11,6 +13,7 @@ neighbour's burst of CPU use shifts the minimum and median less than a single lo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
@@ -18,6 +21,7 @@ import time
 import jax
 import jax.numpy as jnp
 
+from jaxgpt import layers
 from jaxgpt.config import load_config
 from jaxgpt.model import forward
 from jaxgpt.step import compile_steps, init_state, window_length
@@ -34,13 +38,31 @@ def _time(fn, args, iters: int, repeats: int) -> tuple[float, float]:
     return statistics.median(per_call), min(per_call)
 
 
+@contextlib.contextmanager
+def _attention_replaced():
+    """Trace the model with the CPU attention swapped for q + k + v (same shapes, no scores)."""
+    if jax.default_backend() != "cpu":
+        raise SystemExit("step-no-attention replaces the CPU attention path; run it on the CPU")
+    real = layers.blocked_causal_attention
+
+    def stand_in(q_BTHD, k_BTKD, v_BTKD, tile=None):
+        return q_BTHD + jnp.repeat(k_BTKD + v_BTKD, q_BTHD.shape[2] // k_BTKD.shape[2], axis=2)
+
+    layers.blocked_causal_attention = stand_in
+    try:
+        yield
+    finally:
+        layers.blocked_causal_attention = real
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", help="TOML config file (default: the built-in Day 1 baseline)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
     parser.add_argument("--iters", type=int, default=10, help="calls per timed repeat")
     parser.add_argument("--repeats", type=int, default=15, help="timed repeats; the median is reported")
-    parser.add_argument("--modes", default="step,forward,grad", help="comma-separated: step, forward, grad")
+    parser.add_argument("--modes", default="step,forward,grad",
+                        help="comma-separated: step, step-no-attention, forward, grad")
     args = parser.parse_args()
 
     cfg = load_config(args.config, args.overrides)
@@ -50,34 +72,41 @@ def main() -> None:
     tokens = B * model.context_length
 
     for mode in args.modes.split(","):
-        state = init_state(cfg, jax.random.key(0))
-        if mode == "step":
-            train_step, _ = compile_steps(cfg)
+        with _attention_replaced() if mode == "step-no-attention" else contextlib.nullcontext():
+            _measure(mode, cfg, batch, tokens, args)
 
-            def fn(state_and_batch=None):  # the step donates its state: thread it through
-                nonlocal state
-                state, metrics = train_step(state, batch)
-                return metrics["loss"]
 
-            call_args: tuple = ()
-        elif mode == "forward":
-            fn = jax.jit(lambda p, x: forward(p, model, x[:, :model.context_length]))
-            call_args = (state.params, batch)
-        elif mode == "grad":
-            from jaxgpt.step import depth_losses
-            fn = jax.jit(jax.grad(lambda p, x: depth_losses(p, model, x)[0]))
-            call_args = (state.params, batch)
-        else:
-            raise SystemExit(f"unknown mode {mode!r}")
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*call_args))
-        compile_s = time.perf_counter() - start
-        _time(fn, call_args, 3, 1)  # warm-up
-        median, best = _time(fn, call_args, args.iters, args.repeats)
-        print(json.dumps({"mode": mode, "step_ms": round(median, 2), "min_ms": round(best, 2),
-                          "tokens_per_s": round(tokens / median * 1e3),
-                          "compile_s": round(compile_s, 2), "batch": B, "context": model.context_length,
-                          "layers": model.n_layers}), flush=True)
+def _measure(mode: str, cfg, batch: jax.Array, tokens: int, args: argparse.Namespace) -> None:
+    """Compile and time one mode; prints its JSON line."""
+    model = cfg.model
+    state = init_state(cfg, jax.random.key(0))
+    if mode in ("step", "step-no-attention"):
+        train_step, _ = compile_steps(cfg)
+
+        def fn(state_and_batch=None):  # the step donates its state: thread it through
+            nonlocal state
+            state, metrics = train_step(state, batch)
+            return metrics["loss"]
+
+        call_args: tuple = ()
+    elif mode == "forward":
+        fn = jax.jit(lambda p, x: forward(p, model, x[:, :model.context_length]))
+        call_args = (state.params, batch)
+    elif mode == "grad":
+        from jaxgpt.step import depth_losses
+        fn = jax.jit(jax.grad(lambda p, x: depth_losses(p, model, x)[0]))
+        call_args = (state.params, batch)
+    else:
+        raise SystemExit(f"unknown mode {mode!r}")
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*call_args))
+    compile_s = time.perf_counter() - start
+    _time(fn, call_args, 3, 1)  # warm-up
+    median, best = _time(fn, call_args, args.iters, args.repeats)
+    print(json.dumps({"mode": mode, "step_ms": round(median, 2), "min_ms": round(best, 2),
+                      "tokens_per_s": round(tokens / median * 1e3),
+                      "compile_s": round(compile_s, 2), "batch": batch.shape[0], "context": model.context_length,
+                      "layers": model.n_layers}), flush=True)
 
 
 if __name__ == "__main__":

@@ -113,3 +113,37 @@ def test_unknown_mode_is_an_error() -> None:
 def test_speculative_mode_needs_a_run() -> None:
     with pytest.raises(ValueError, match="needs --run DIR"):
         bench.run_mode("speculative", load_config())
+
+
+def _script(name: str) -> types.ModuleType:
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"scripts_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_no_attention_probe_reaches_the_model_and_is_undone() -> None:
+    # scripts/bench_step.py's step-no-attention mode: if the model stopped calling the patched
+    # function, the probe would silently time the full step; if it leaked, later steps would lie.
+    import jax.numpy as jnp
+
+    from jaxgpt.model import forward
+
+    cfg = load_config(None, TINY)
+    params = init_params(cfg.model, jax.random.key(0))
+    tokens = jnp.arange(2 * 16, dtype=jnp.int32).reshape(2, 16) % cfg.model.vocab_size
+    real = forward(params, cfg.model, tokens)
+    with _script("bench_step")._attention_replaced():
+        probed = forward(params, cfg.model, tokens)
+    assert not jnp.allclose(real, probed, atol=1e-3)
+    assert jnp.array_equal(real, forward(params, cfg.model, tokens))
+
+
+def test_attention_bench_times_each_jax_implementation() -> None:
+    results = _script("bench_attention").jax_timings(B=1, T=64, H=2, D=8, iters=1, repeats=1)
+    assert set(results) == {"jaxgpt_blocked", "jax_dot_product_attention"}
+    assert all(_finite_positive(*times) for times in results.values())
