@@ -338,3 +338,23 @@ class TestBadInput:
             forward_cached(self.params, self.cfg, jnp.zeros((2, 1), jnp.int32), cache)
         with pytest.raises(ValueError, match="empty cache"):
             forward_cached(self.params, self.cfg, jnp.zeros((1, 1), jnp.int32), cache, fresh=True)
+
+
+@pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
+def test_cpu_tied_head_gradient_equals_autodiff(dtype, tol):
+    # The CPU tied head's own VJP (a transposed copy of dlogits) must give autodiff's values.
+    from jaxgpt.model import _tied_logits_cpu
+
+    keys = jax.random.split(jax.random.key(3), 3)
+    h = jax.random.normal(keys[0], (24, 16)).astype(dtype)
+    embedding = jax.random.normal(keys[1], (40, 16)).astype(dtype)
+    g = jax.random.normal(keys[2], (24, 40), jnp.float32)
+    einsum = lambda h, e: jnp.einsum("nc,vc->nv", h, e, preferred_element_type=jnp.float32)  # noqa: E731
+    want, want_vjp = jax.vjp(einsum, h, embedding)
+    got, got_vjp = jax.vjp(_tied_logits_cpu, h, embedding)
+    assert got.dtype == jnp.float32
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+    for got_grad, want_grad in zip(got_vjp(g), want_vjp(g)):
+        assert got_grad.dtype == dtype
+        np.testing.assert_allclose(np.asarray(got_grad, np.float32), np.asarray(want_grad, np.float32),
+                                   rtol=tol, atol=tol * float(jnp.abs(want_grad.astype(jnp.float32)).max()))
