@@ -4,8 +4,8 @@
     .venv/bin/python scripts/bench_attention.py --shape 12,64,4,32     # Shakespeare: B, T, heads, head size
     .venv/bin/python scripts/bench_attention.py --shape 32,128,4,32    # Day 1
 
-Prints one JSON line per implementation with the best and median milliseconds of `--repeats`
-timed runs of `--iters` calls. Torch uses as many threads as the machine has cores, as XLA does.
+Prints one JSON line per implementation with the median milliseconds of `--repeats` timed runs
+(`jaxgpt.bench.median_time`). Torch uses as many threads as the machine has cores, as XLA does.
 """
 
 from __future__ import annotations
@@ -13,29 +13,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import time
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
 
+from jaxgpt.bench import median_time
 from jaxgpt.layers import blocked_causal_attention
 
 
-def _time(call: Callable[[], object], sync: Callable[[object], object], iters: int, repeats: int) -> tuple[float, float]:
-    sync(call())  # compile / warm up
-    per_call = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(iters):
-            out = call()
-        sync(out)
-        per_call.append((time.perf_counter() - start) / iters * 1e3)
-    return min(per_call), statistics.median(per_call)
-
-
-def jax_timings(B: int, T: int, H: int, D: int, iters: int, repeats: int) -> dict[str, tuple[float, float]]:
+def jax_timings(B: int, T: int, H: int, D: int, repeats: int) -> dict[str, float]:
+    """Median seconds of one forward + backward call per JAX implementation."""
     keys = jax.random.split(jax.random.key(0), 4)
     q, k, v, g = (jax.random.normal(key, (B, T, H, D), jnp.float32) for key in keys)
     implementations = {
@@ -45,11 +32,11 @@ def jax_timings(B: int, T: int, H: int, D: int, iters: int, repeats: int) -> dic
     results = {}
     for name, attend in implementations.items():
         fwd_bwd = jax.jit(lambda q, k, v, attend=attend: jax.vjp(attend, q, k, v)[1](g))
-        results[name] = _time(lambda: fwd_bwd(q, k, v), jax.block_until_ready, iters, repeats)
+        results[name] = median_time(lambda: fwd_bwd(q, k, v), repeats)
     return results
 
 
-def torch_timing(B: int, T: int, H: int, D: int, iters: int, repeats: int) -> tuple[float, float]:
+def torch_timing(B: int, T: int, H: int, D: int, repeats: int) -> float:
     import torch
     import torch.nn.functional as F
 
@@ -60,25 +47,24 @@ def torch_timing(B: int, T: int, H: int, D: int, iters: int, repeats: int) -> tu
     def fwd_bwd():
         F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(g)
 
-    return _time(fwd_bwd, lambda _: None, iters, repeats)
+    return median_time(fwd_bwd, repeats)  # synchronous: the block on its None result is a no-op
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="12,64,4,32", help="B,T,H,D (default: nanoGPT's Shakespeare run)")
-    parser.add_argument("--iters", type=int, default=50, help="calls per timed repeat")
-    parser.add_argument("--repeats", type=int, default=7, help="timed repeats")
+    parser.add_argument("--repeats", type=int, default=9, help="timed repeats of >= 0.2 s each")
     args = parser.parse_args()
     B, T, H, D = (int(x) for x in args.shape.split(","))
 
-    results = jax_timings(B, T, H, D, args.iters, args.repeats)
+    results = jax_timings(B, T, H, D, args.repeats)
     try:
-        results["torch_sdpa"] = torch_timing(B, T, H, D, args.iters, args.repeats)
+        results["torch_sdpa"] = torch_timing(B, T, H, D, args.repeats)
     except ImportError:
         print("torch is not installed: PyTorch's timing left out")
-    for name, (best, median) in results.items():
-        print(json.dumps({"impl": name, "shape_BTHD": [B, T, H, D], "fwd_bwd_ms_best": round(best, 3),
-                          "fwd_bwd_ms_median": round(median, 3), "backend": jax.default_backend()}))
+    for name, seconds in results.items():
+        print(json.dumps({"impl": name, "shape_BTHD": [B, T, H, D], "fwd_bwd_ms": round(seconds * 1e3, 3),
+                          "backend": jax.default_backend()}))
 
 
 if __name__ == "__main__":

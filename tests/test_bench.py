@@ -144,6 +144,6 @@ def test_no_attention_probe_reaches_the_model_and_is_undone() -> None:
 
 
 def test_attention_bench_times_each_jax_implementation() -> None:
-    results = _script("bench_attention").jax_timings(B=1, T=64, H=2, D=8, iters=1, repeats=1)
+    results = _script("bench_attention").jax_timings(B=1, T=64, H=2, D=8, repeats=1)
     assert set(results) == {"jaxgpt_blocked", "jax_dot_product_attention"}
-    assert all(_finite_positive(*times) for times in results.values())
+    assert _finite_positive(*results.values())
