@@ -34,11 +34,16 @@ Cache = dict[str, jax.Array]  # {"k": [L, B, S, K, D], "v": [L, B, S, K, D], "in
 def _flat_einsum(spec: str, h_BTC: jax.Array, kernel: jax.Array) -> jax.Array:
     """The head's matmul on [B * T, C] (float32 out): see `jaxgpt.layers.flat_dot_general`."""
     B, T, C = h_BTC.shape
-    if spec == "nc,vc->nv" and jax.default_backend() == "cpu":
-        logits = _tied_logits_cpu(h_BTC.reshape(B * T, C), kernel)
-    else:
-        logits = jnp.einsum(spec, h_BTC.reshape(B * T, C), kernel, preferred_element_type=jnp.float32)
+    logits = jnp.einsum(spec, h_BTC.reshape(B * T, C), kernel, preferred_element_type=jnp.float32)
     return logits.reshape(B, T, -1)
+
+
+def _tied_head(h_BTC: jax.Array, embedding_VC: jax.Array) -> jax.Array:
+    """Logits [B, T, V] (float32) read out through the token embedding; on CPU with its own VJP."""
+    if jax.default_backend() != "cpu":
+        return _flat_einsum("nc,vc->nv", h_BTC, embedding_VC)
+    B, T, C = h_BTC.shape
+    return _tied_logits_cpu(h_BTC.reshape(B * T, C), embedding_VC).reshape(B, T, -1)
 
 
 @jax.custom_vjp
@@ -137,7 +142,7 @@ class Decoder(nn.Module):
         hidden_BTC = make_norm(cfg, "final_norm")(x_BTC)
         if cfg.tie_embeddings:
             head_VC = token_embedding.embedding
-            head = lambda h: _flat_einsum("nc,vc->nv", h.astype(dtype), head_VC.astype(dtype))
+            head = lambda h: _tied_head(h.astype(dtype), head_VC.astype(dtype))
         else:
             head = UntiedHead(cfg, name="lm_head")
         logits_BTV = head(hidden_BTC)

@@ -358,3 +358,15 @@ def test_cpu_tied_head_gradient_equals_autodiff(dtype, tol):
         assert got_grad.dtype == dtype
         np.testing.assert_allclose(np.asarray(got_grad, np.float32), np.asarray(want_grad, np.float32),
                                    rtol=tol, atol=tol * float(jnp.abs(want_grad.astype(jnp.float32)).max()))
+
+
+def test_cpu_model_routes_its_tied_head_through_that_vjp():
+    # Only the tied head's VJP puts an optimization barrier in the gradient (CPU, no model.remat).
+    def barriers(cfg):
+        params = init_params(cfg, jax.random.key(0))
+        tokens = random_tokens(cfg, 2, 8)
+        grad = jax.grad(lambda p: forward(p, cfg, tokens).mean())
+        return jax.jit(grad).lower(params).as_text().count("optimization_barrier")
+
+    assert barriers(dataclasses.replace(TINY, tie_embeddings=True)) == 1
+    assert barriers(dataclasses.replace(TINY, tie_embeddings=False)) == 0
