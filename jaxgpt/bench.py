@@ -73,20 +73,25 @@ def compile_timed(jitted: Any, *args: Any) -> tuple[Any, float]:
 
 
 def measure_matmul_peak(n: int = 2048, repeats: int = 5, dtype: Any = jnp.float32) -> float:
-    """FLOP/s of an n x n x n matmul on the default device (median of `repeats`)."""
+    """FLOP/s of an n x n x n matmul of `dtype` operands, accumulated in float32 (median of `repeats`)."""
     a = jax.random.normal(jax.random.key(0), (n, n), dtype)
     b = jax.random.normal(jax.random.key(1), (n, n), dtype)
-    matmul = jax.jit(jnp.matmul)
+    matmul = jax.jit(lambda a, b: jnp.matmul(a, b, preferred_element_type=jnp.float32))
     return 2.0 * n**3 / median_time(lambda: matmul(a, b), repeats, min_repeat_s=0.0)
 
 
-def peak_flops(repeats: int = 5) -> tuple[float, str]:
-    """(peak FLOP/s, where it came from): nominal bf16 for a known accelerator, else measured f32."""
+def peak_flops(repeats: int = 5, dtype: str = "float32") -> tuple[float, str]:
+    """(peak FLOP/s, where it came from): nominal bf16 for a known accelerator, else measured.
+
+    Measured with `dtype` operands: a CPU with bfloat16 matmul instructions runs bfloat16 at about
+    twice the float32 rate, so bfloat16 runs are held against the bfloat16 peak.
+    """
     kind = jax.devices()[0].device_kind
     for name, peak in NOMINAL_BF16_PEAK:
         if name in kind.lower():
             return peak, f"nominal bf16 {kind}"
-    return measure_matmul_peak(repeats=repeats), f"measured f32 matmul 2048 ({kind})"
+    short = {"float32": "f32", "bfloat16": "bf16"}[dtype]
+    return measure_matmul_peak(repeats=repeats, dtype=jnp.dtype(dtype)), f"measured {short} matmul 2048 ({kind})"
 
 
 # ---------------------------------------------------------------- modes
@@ -124,7 +129,7 @@ def time_train_step(cfg: RunConfig, repeats: int, with_peak: bool = False) -> di
     seconds, peaks = [], []
     for _ in range(max(1, repeats)):
         seconds.append(median_time(call, 1))
-        peak, result["peak_source"] = peak_flops(repeats=1)
+        peak, result["peak_source"] = peak_flops(repeats=1, dtype=cfg.model.dtype)
         peaks.append(peak)
     return {"seconds": statistics.median(seconds), "peak_flops": statistics.median(peaks),
             "mfu_per_flop": statistics.median(1 / (s * p) for s, p in zip(seconds, peaks)), **result}
@@ -168,7 +173,7 @@ def bench_forward(cfg: RunConfig, repeats: int, lengths: tuple[int, ...] = FORWA
         x = _tokens(model, (1, T))
         compiled, compile_s = compile_timed(fn, params, x)
         seconds = median_time(lambda: compiled(params, x), repeats)
-        peak, source = peak_flops()
+        peak, source = peak_flops(dtype=model.dtype)
         fpt = flops_per_token(model, seq_len=T) / 3  # forward only
         yield {"mode": "forward", "context": T, "batch": 1, "layers": model.n_layers,
                "step_ms": seconds * 1e3, "tokens_per_s": T / seconds,

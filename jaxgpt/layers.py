@@ -1,6 +1,7 @@
 """The decoder's building blocks: norms, RoPE, causal attention with grouped KV heads, feed-forward.
 
-Shapes follow the legend in `jaxgpt.model`. Parameters are float32; `dtype` is the compute dtype.
+Shapes follow the legend in `jaxgpt.model`. Parameters are float32; `dtype` is the compute dtype
+(on the CPU, bfloat16 compute means bfloat16 matmul operands only: `activation_dtype`).
 Statistics (norms, softmax) are taken in float32 whatever the compute dtype.
 """
 
@@ -15,45 +16,36 @@ import jax
 import jax.numpy as jnp
 
 from jaxgpt.config import ModelConfig
+from jaxgpt.matmul import cpu_bf16_dot_general, flat_dot_general
 
 Rope = tuple[jax.Array, jax.Array]  # (cos, sin), each [B, T, D/2] float32
 KV = tuple[jax.Array, jax.Array]  # one layer's cached keys and values, each [B, S, K, D]
 
 
 def compute_dtype(cfg: ModelConfig) -> Any:
+    """The dtype of matmul operands and of the KV cache."""
     return jnp.bfloat16 if cfg.dtype == "bfloat16" else jnp.float32
+
+
+def bf16_on_cpu(cfg: ModelConfig) -> bool:
+    """bfloat16 compute on the CPU backend: bfloat16 matmul operands between float32 activations
+    (`jaxgpt.matmul`), because XLA CPU has bfloat16 matmuls but no bfloat16 arithmetic."""
+    return cfg.dtype == "bfloat16" and jax.default_backend() == "cpu"
+
+
+def activation_dtype(cfg: ModelConfig) -> Any:
+    """The dtype of activations between matmuls: the compute dtype, but float32 on the CPU."""
+    return jnp.float32 if bf16_on_cpu(cfg) else compute_dtype(cfg)
 
 
 def dense_init(cfg: ModelConfig) -> nn.initializers.Initializer:
     return nn.initializers.normal(stddev=cfg.init_std)
 
 
-def flat_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
-                     precision: Any = None, preferred_element_type: Any = None, **kwargs: Any) -> jax.Array:
-    """`lax.dot_general` that runs `[..., C] x [C, F]` as one 2-D matmul `[N, C] x [C, F]`.
-
-    Same values; a different backward graph. Autodiff of the 3-D form contracts the kernel
-    gradient over two axes (batch and time), which XLA CPU lowers by transposing the [B, T, F]
-    cotangent and fusing that transpose into the elementwise backward (GELU, residual adds): a
-    strided loop several times slower than the matmul. With the batch axes flattened first, the
-    kernel gradient is a plain [N, C]^T x [N, F] matmul and nothing is transposed. On GPU/TPU the
-    reshapes are free (leading axes merge).
-    """
-    (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
-    if (lhs.ndim > 2 and rhs.ndim == 2 and not lhs_batch and not rhs_batch
-            and tuple(lhs_contract) == (lhs.ndim - 1,) and tuple(rhs_contract) == (0,)):
-        out = jax.lax.dot_general(lhs.reshape(-1, lhs.shape[-1]), rhs, (((1,), (0,)), ((), ())),
-                                  precision=precision, preferred_element_type=preferred_element_type,
-                                  **kwargs)
-        return out.reshape(*lhs.shape[:-1], rhs.shape[-1])
-    return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
-                               preferred_element_type=preferred_element_type, **kwargs)
-
-
 def dense(cfg: ModelConfig, features: int, name: str) -> nn.Dense:
     """`nn.Dense` (params `kernel` [in, features], `bias`) computed as one flat 2-D matmul."""
-    return nn.Dense(features, use_bias=cfg.bias, dtype=compute_dtype(cfg), kernel_init=dense_init(cfg),
-                    dot_general=flat_dot_general, name=name)
+    return nn.Dense(features, use_bias=cfg.bias, dtype=activation_dtype(cfg), kernel_init=dense_init(cfg),
+                    dot_general=cpu_bf16_dot_general if bf16_on_cpu(cfg) else flat_dot_general, name=name)
 
 
 class LayerNorm(nn.Module):
@@ -90,7 +82,7 @@ class RMSNorm(nn.Module):
 
 def make_norm(cfg: ModelConfig, name: str | None = None) -> nn.Module:
     norm = LayerNorm if cfg.norm == "layernorm" else RMSNorm
-    return norm(eps=cfg.norm_eps, dtype=compute_dtype(cfg), name=name)
+    return norm(eps=cfg.norm_eps, dtype=activation_dtype(cfg), name=name)
 
 
 def rope_tables(positions_BT: jax.Array, head_size: int, scale: float, base: float) -> Rope:

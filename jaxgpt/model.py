@@ -24,8 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgpt.config import ModelConfig
-from jaxgpt.layers import (FeedForward, TransformerBlock, compute_dtype, dense_init, make_norm,
-                           rope_tables, write_kv)
+from jaxgpt.layers import (FeedForward, TransformerBlock, activation_dtype, bf16_on_cpu, compute_dtype,
+                           dense_init, make_norm, rope_tables, write_kv)
+from jaxgpt.matmul import BF16_MATMUL_SAVED, bf16_matmul, transposed_copy
 
 Params = dict[str, Any]
 Cache = dict[str, jax.Array]  # {"k": [L, B, S, K, D], "v": [L, B, S, K, D], "index": [B]}
@@ -38,12 +39,21 @@ def _flat_einsum(spec: str, h_BTC: jax.Array, kernel: jax.Array) -> jax.Array:
     return logits.reshape(B, T, -1)
 
 
-def _tied_head(h_BTC: jax.Array, embedding_VC: jax.Array) -> jax.Array:
+def _flat(matmul: Any, h_BTC: jax.Array, w_CF: jax.Array) -> jax.Array:
+    """`matmul` ([N, C] x [C, F] -> [N, F]) applied to [B * T, C]."""
+    B, T, C = h_BTC.shape
+    return matmul(h_BTC.reshape(B * T, C), w_CF).reshape(B, T, -1)
+
+
+def _tied_head(cfg: ModelConfig, h_BTC: jax.Array, embedding_VC: jax.Array) -> jax.Array:
     """Logits [B, T, V] (float32) read out through the token embedding; on CPU with its own VJP."""
+    if bf16_on_cpu(cfg):
+        return _flat(bf16_matmul, h_BTC, transposed_copy(embedding_VC))
+    dtype = compute_dtype(cfg)
+    h_BTC, embedding_VC = h_BTC.astype(dtype), embedding_VC.astype(dtype)
     if jax.default_backend() != "cpu":
         return _flat_einsum("nc,vc->nv", h_BTC, embedding_VC)
-    B, T, C = h_BTC.shape
-    return _tied_logits_cpu(h_BTC.reshape(B * T, C), embedding_VC).reshape(B, T, -1)
+    return _flat(_tied_logits_cpu, h_BTC, embedding_VC)
 
 
 @jax.custom_vjp
@@ -99,6 +109,8 @@ class UntiedHead(nn.Module):
     def __call__(self, h_BTC: jax.Array) -> jax.Array:
         cfg = self.cfg
         kernel_CV = self.param("kernel", dense_init(cfg), (cfg.d_model, cfg.vocab_size), jnp.float32)
+        if bf16_on_cpu(cfg):
+            return _flat(bf16_matmul, h_BTC, kernel_CV)
         dtype = compute_dtype(cfg)
         return _flat_einsum("nc,cv->nv", h_BTC.astype(dtype), kernel_CV.astype(dtype))
 
@@ -113,7 +125,7 @@ class Decoder(nn.Module):
     ) -> tuple[jax.Array, Cache | None]:
         cfg = self.cfg
         B, T = token_ids_BT.shape
-        dtype = compute_dtype(cfg)
+        dtype = activation_dtype(cfg)
         if cache is None:
             positions_BT = jnp.broadcast_to(jnp.arange(T), (B, T))
         else:
@@ -142,7 +154,7 @@ class Decoder(nn.Module):
         hidden_BTC = make_norm(cfg, "final_norm")(x_BTC)
         if cfg.tie_embeddings:
             head_VC = token_embedding.embedding
-            head = lambda h: _tied_head(h.astype(dtype), head_VC.astype(dtype))
+            head = lambda h: _tied_head(cfg, h, head_VC)
         else:
             head = UntiedHead(cfg, name="lm_head")
         logits_BTV = head(hidden_BTC)
@@ -186,8 +198,8 @@ def _block_class(cfg: ModelConfig) -> type[nn.Module]:
 
     `model.remat` recomputes the whole block; on CPU its attention then runs in tiles, so that no
     backward holds a [T, T] square (`layers.REMAT_TILE`). Without it, a scanned stack on CPU still
-    saves only the matmul outputs and recomputes the cheap elementwise work (norms, GELU, softmax)
-    in the backward pass: the same matmuls, but about half the per-layer residuals, which the
+    saves only the matmul outputs (with bfloat16 compute, what `matmul.bf16_matmul` names) and
+    recomputes the cheap elementwise work (norms, GELU, softmax) in the backward pass: the same matmuls, but about half the per-layer residuals, which the
     scan stacks into buffers that XLA CPU zero-fills, copies and page-faults afresh every step
     (about a fifth of the step time; scripts/perf_notes.md). GPU and TPU keep XLA's own choices
     (a fused attention kernel is no dot and would be recomputed).
@@ -195,8 +207,9 @@ def _block_class(cfg: ModelConfig) -> type[nn.Module]:
     if cfg.remat:
         return nn.remat(TransformerBlock, prevent_cse=not cfg.scan_layers)
     if cfg.scan_layers and jax.default_backend() == "cpu":
-        return nn.remat(TransformerBlock, prevent_cse=False,
-                        policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+        policies = jax.checkpoint_policies
+        return nn.remat(TransformerBlock, prevent_cse=False, policy=policies.save_from_both_policies(
+            policies.dots_with_no_batch_dims_saveable, policies.save_only_these_names(*BF16_MATMUL_SAVED)))
     return TransformerBlock
 
 

@@ -2,6 +2,7 @@
 
     .venv/bin/python scripts/bench_vs_torch.py                 # both configs, a few minutes on 2 cores
     .venv/bin/python scripts/bench_vs_torch.py --configs day1 --steps 10 --rounds 3
+    .venv/bin/python scripts/bench_vs_torch.py --dtype bfloat16     # jaxgpt bf16 vs torch.autocast bf16
 
 Same model (GPT-2 layout: learned positions, pre-LayerNorm, GELU-tanh, tied head, biases), same
 initial weights (jaxgpt's, exported with `jaxgpt.hf.export_hf`), same batches, same AdamW (lr,
@@ -9,7 +10,9 @@ betas, eps, weight decay on the kernels only, global-norm clipping; constant lr 
 PyTorch runs eagerly on the CPU with as many threads as XLA uses (all cores). The two alternate
 in rounds of `--steps` steps each, so both see the same machine load; every step is timed to its
 loss on the host, and the median step time gives tokens/s. Prints one JSON line per config, then
-a table on stderr.
+a table on stderr. With `--dtype bfloat16` jaxgpt computes in bfloat16 (`model.dtype`) and PyTorch
+runs its forward pass under `torch.autocast("cpu", torch.bfloat16)`; MFU is then taken against
+the measured bfloat16 matmul peak.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ CONFIGS = {
     "6x384": ["model.n_layers=6", "model.d_model=384", "model.n_heads=6", "model.context_length=256",
               "train.batch_size=16"],
 }
-COMMON = ["model.bias=true", "model.dropout=0.0", "model.dtype=float32", "train.warmup_steps=0",
+COMMON = ["model.bias=true", "model.dropout=0.0", "train.warmup_steps=0",
           "train.min_lr=3e-3", "train.lr=3e-3", "train.grad_accum=1"]
 
 
@@ -81,12 +84,14 @@ def torch_trainer(cfg, params, batches):
     windows = [torch.from_numpy(b.astype(np.int64)) for b in batches]
     T, V = cfg.model.context_length, cfg.model.vocab_size
     state = {"i": 0}
+    bf16 = cfg.model.dtype == "bfloat16"
 
     def run() -> float:
         window = windows[state["i"] % len(windows)]
         state["i"] += 1
-        logits = model(window[:, :T]).logits
-        loss = F.cross_entropy(logits.reshape(-1, V), window[:, 1:].reshape(-1))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            logits = model(window[:, :T]).logits
+            loss = F.cross_entropy(logits.float().reshape(-1, V), window[:, 1:].reshape(-1))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if train.clip_norm > 0:
@@ -104,10 +109,10 @@ def timed_steps(run, n: int, times: list[float], losses: list[float]) -> None:
         times.append(time.perf_counter() - start)
 
 
-def compare(name: str, steps: int, rounds: int, warmup: int) -> dict:
+def compare(name: str, steps: int, rounds: int, warmup: int, dtype: str = "float32") -> dict:
     import torch
 
-    cfg = load_config("experiments/day1.toml", COMMON + CONFIGS[name])
+    cfg = load_config("experiments/day1.toml", COMMON + CONFIGS[name] + [f"model.dtype={dtype}"])
     B, T = cfg.train.batch_size, cfg.model.context_length
     rng = np.random.default_rng(0)
     batches = [rng.integers(0, cfg.model.vocab_size, (B, T + 1), dtype=np.int32) for _ in range(4)]
@@ -121,11 +126,11 @@ def compare(name: str, steps: int, rounds: int, warmup: int) -> dict:
     for _ in range(rounds):  # the peak is measured in every round too, under the same load
         for label, run in (("jax", run_jax), ("torch", run_torch)):
             timed_steps(run, steps, times[label], losses[label])
-        peak, source = peak_flops()
+        peak, source = peak_flops(dtype=dtype)
         peaks.append(peak)
     peak = statistics.median(peaks)
     fpt = flops_per_token(cfg.model)
-    record = {"config": name, "layers": cfg.model.n_layers, "d_model": cfg.model.d_model,
+    record = {"config": name, "dtype": dtype, "layers": cfg.model.n_layers, "d_model": cfg.model.d_model,
               "heads": cfg.model.n_heads, "context": T, "batch": B, "vocab": cfg.model.vocab_size,
               "timed_steps": steps * rounds, "threads": torch.get_num_threads()}
     for label in ("jax", "torch"):
@@ -146,6 +151,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10, help="timed steps per round and framework")
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds (jax, torch, jax, ...)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first, per framework")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="compute dtype of both (bfloat16: jaxgpt model.dtype, torch.autocast)")
     args = parser.parse_args()
 
     import torch
@@ -153,7 +160,7 @@ def main() -> None:
     torch.set_num_threads(os.cpu_count() or 1)  # XLA CPU's pool uses every core too
     rows = []
     for name in args.configs.split(","):
-        record = compare(name, args.steps, args.rounds, args.warmup)
+        record = compare(name, args.steps, args.rounds, args.warmup, args.dtype)
         print(json.dumps(record), flush=True)
         rows.append(record)
     print(f"{'config':8} {'jax tok/s':>10} {'torch tok/s':>12} {'speed-up':>9} {'jax MFU':>8} {'torch MFU':>10}",

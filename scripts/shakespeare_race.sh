@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Issue 8's engine race and speedrun, timed side by side: the plain-PyTorch nanoGPT run, then
-# jaxgpt on nanoGPT's settings (experiments/shakespeare_char.toml), then the speedrun config
+# jaxgpt on nanoGPT's settings (experiments/shakespeare_char.toml), the same with bfloat16 compute
+# (matmul operands only, on a CPU: jaxgpt/matmul.py; nanoGPT runs float32 there), then the speedrun config
 # (experiments/shakespeare_speedrun.toml) once per seed, one after the other on this machine.
 # Each line: the whole command's wall time, its final val loss, and its ratio to PyTorch's.
 # Usage: scripts/shakespeare_race.sh TINYSHAKESPEARE.txt TORCH_SCRIPT.py [SEEDS (default "0 1 2")]
@@ -32,6 +33,8 @@ report() { python3 -c "import sys; n, s, l = sys.argv[1].split(); print(f'{n:18s
 report "$torch_line"
 report "$(timed race .venv/bin/jaxgpt train --config experiments/shakespeare_char.toml --data "$data" \
   --out "$out/race" --no-progress --set train.sample_tokens=0)"
+report "$(timed race-bf16 .venv/bin/jaxgpt train --config experiments/shakespeare_char.toml --data "$data" \
+  --out "$out/race-bf16" --no-progress --set train.sample_tokens=0 --set model.dtype=bfloat16)"
 for seed in $seeds; do
   report "$(timed "speedrun-seed$seed" .venv/bin/jaxgpt train --config experiments/shakespeare_speedrun.toml \
     --data "$data" --out "$out/speedrun$seed" --no-progress --set train.seed="$seed")"

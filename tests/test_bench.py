@@ -35,6 +35,8 @@ def test_measured_peak_is_positive_and_finite() -> None:
     assert _finite_positive(bench.measure_matmul_peak(n=256, repeats=2))
     peak, source = bench.peak_flops(repeats=1)  # the test machine is a CPU: measured, not nominal
     assert _finite_positive(peak) and source.startswith("measured f32")
+    peak, source = bench.peak_flops(repeats=1, dtype="bfloat16")
+    assert _finite_positive(peak) and source.startswith("measured bf16")
 
 
 @pytest.mark.parametrize("kind, peak", [("TPU v4", 275e12), ("TPU v5 lite", 197e12), ("TPU v5", 459e12),

@@ -1,0 +1,127 @@
+"""How the model's matmuls run: flat 2-D everywhere, and bfloat16 operands on the CPU.
+
+`flat_dot_general` is what every `nn.Dense` of the model calls on float32 (and on GPU/TPU).
+`cpu_bf16_dot_general` replaces it when the compute dtype is bfloat16 on the CPU backend: XLA CPU
+has no bfloat16 vector arithmetic (it converts to float32 and back around every elementwise op),
+but on CPUs with AVX512-BF16 or AMX its matmul runs bfloat16 operands into a float32
+accumulator at about twice the float32 rate. So there the activations stay float32 and only
+the matmul operands are bfloat16, as PyTorch's CPU autocast does (scripts/perf_notes.md,
+change 12).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+# Names of what `bf16_matmul` keeps for its backward pass; the CPU remat policy saves them.
+BF16_MATMUL_SAVED = ("bf16_matmul_out", "bf16_matmul_input_t")
+
+
+def _is_flat_matmul(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any) -> bool:
+    """Whether the dot is `[..., C] x [C, F]` with no batch axes (what `nn.Dense` asks for)."""
+    (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
+    return (lhs.ndim >= 2 and rhs.ndim == 2 and not lhs_batch and not rhs_batch
+            and tuple(lhs_contract) == (lhs.ndim - 1,) and tuple(rhs_contract) == (0,))
+
+
+def flat_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
+                     precision: Any = None, preferred_element_type: Any = None, **kwargs: Any) -> jax.Array:
+    """`lax.dot_general` that runs `[..., C] x [C, F]` as one 2-D matmul `[N, C] x [C, F]`.
+
+    Same values; a different backward graph. Autodiff of the 3-D form contracts the kernel
+    gradient over two axes (batch and time), which XLA CPU lowers by transposing the [B, T, F]
+    cotangent and fusing that transpose into the elementwise backward (GELU, residual adds): a
+    strided loop several times slower than the matmul. With the batch axes flattened first, the
+    kernel gradient is a plain [N, C]^T x [N, F] matmul and nothing is transposed. On GPU/TPU the
+    reshapes are free (leading axes merge).
+    """
+    if lhs.ndim > 2 and _is_flat_matmul(lhs, rhs, dimension_numbers):
+        out = jax.lax.dot_general(lhs.reshape(-1, lhs.shape[-1]), rhs, (((1,), (0,)), ((), ())),
+                                  precision=precision, preferred_element_type=preferred_element_type,
+                                  **kwargs)
+        return out.reshape(*lhs.shape[:-1], rhs.shape[-1])
+    return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
+                               preferred_element_type=preferred_element_type, **kwargs)
+
+
+def cpu_bf16_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
+                         precision: Any = None, preferred_element_type: Any = None, **kwargs: Any) -> jax.Array:
+    """`nn.Dense`'s dot for bfloat16 compute on the CPU: `bf16_matmul` on the flattened input.
+
+    Inputs and output are in the activation dtype (float32 on the CPU); dots of another form
+    fall back to `flat_dot_general` on bfloat16 operands.
+    """
+    if _is_flat_matmul(lhs, rhs, dimension_numbers):
+        out = bf16_matmul(lhs.reshape(-1, lhs.shape[-1]), rhs)
+        return out.reshape(*lhs.shape[:-1], rhs.shape[-1]).astype(lhs.dtype)
+    out = flat_dot_general(lhs.astype(jnp.bfloat16), rhs.astype(jnp.bfloat16), dimension_numbers,
+                           precision=precision, preferred_element_type=jnp.float32, **kwargs)
+    return out.astype(preferred_element_type or lhs.dtype)
+
+
+def transposed_copy(a_MN: jax.Array) -> jax.Array:
+    """`a.T`, written out row-major.
+
+    XLA CPU runs a bfloat16 matmul natively only on row-major `[M, K] x [K, N]` operands. A plain
+    transpose is a layout change that XLA folds into the matmul, and the matmul then gets its
+    operands converted to float32 (half the speed, plus the converts). Behind the barrier XLA
+    cannot see that the flattened array is a transpose, so it writes it out.
+    """
+    M, N = a_MN.shape
+    return jax.lax.optimization_barrier(a_MN.T.reshape(-1)).reshape(N, M)
+
+
+def bf16_matmul(x_NC: jax.Array, w_CF: jax.Array) -> jax.Array:
+    """x @ w with bfloat16 operands, float32 accumulation and a float32 result.
+
+    Forward and both gradients are row-major bfloat16 matmuls (see `transposed_copy`). The kernel
+    gradient x^T g needs one of x [N, C] and g [N, F] transposed; the narrower one is, since a
+    transposed copy costs far more per element than a plain one. When that is x, the forward
+    pass writes the transposed copy while x is at hand; otherwise it keeps x. What it keeps, and
+    the result, carry the `BF16_MATMUL_SAVED` names, which the CPU remat policy saves.
+    """
+    return checkpoint_name(_bf16_matmul(x_NC.astype(jnp.float32), w_CF.astype(jnp.float32)),
+                           BF16_MATMUL_SAVED[0])
+
+
+def _bf16_dot(a: jax.Array, b: jax.Array) -> jax.Array:
+    return jnp.dot(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
+
+
+def _transpose_x(w_CF: jax.Array) -> bool:
+    C, F = w_CF.shape
+    return C <= F
+
+
+@jax.custom_vjp
+def _bf16_matmul(x_NC: jax.Array, w_CF: jax.Array) -> jax.Array:
+    return _bf16_dot(x_NC, w_CF)
+
+
+def _bf16_matmul_fwd(x_NC, w_CF):
+    x_NC = x_NC.astype(jnp.bfloat16)
+    kept = transposed_copy(x_NC) if _transpose_x(w_CF) else x_NC
+    # Kept as raw 16-bit words: the scan stacks what a layer saves with dynamic-update-slice,
+    # which XLA CPU does not do in bfloat16: it would convert the whole [L, ...] stack to
+    # float32 and back for every layer.
+    kept = checkpoint_name(jax.lax.bitcast_convert_type(kept, jnp.uint16), BF16_MATMUL_SAVED[1])
+    return _bf16_dot(x_NC, w_CF), (kept, w_CF)
+
+
+def _bf16_matmul_bwd(residuals, g_NF):
+    kept, w_CF = residuals
+    kept = jax.lax.bitcast_convert_type(kept, jnp.bfloat16)
+    g_NF = g_NF.astype(jnp.bfloat16)
+    dx_NC = _bf16_dot(g_NF, transposed_copy(w_CF.astype(jnp.bfloat16)))
+    if _transpose_x(w_CF):
+        dw_CF = _bf16_dot(kept, g_NF)
+    else:  # (g^T x)^T; behind the barrier XLA cannot fold the transpose back into the matmul
+        dw_CF = transposed_copy(jax.lax.optimization_barrier(_bf16_dot(transposed_copy(g_NF), kept)))
+    return dx_NC, dw_CF
+
+
+_bf16_matmul.defvjp(_bf16_matmul_fwd, _bf16_matmul_bwd)

@@ -1,0 +1,107 @@
+"""The CPU's bfloat16 matmul path must compute what it stands for, in the form XLA runs fast."""
+
+import collections
+import contextlib
+import dataclasses
+import io
+import re
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxgpt.config import ModelConfig
+from jaxgpt.matmul import bf16_matmul, transposed_copy
+from jaxgpt.model import forward, init_params
+
+TINY = ModelConfig(vocab_size=64, context_length=16, d_model=32, n_layers=2, n_heads=4, dtype="bfloat16")
+cpu_only = pytest.mark.skipif(jax.default_backend() != "cpu", reason="the bfloat16-operand path is the CPU's")
+
+
+def _rounded(x):
+    return x.astype(jnp.bfloat16).astype(jnp.float32)
+
+
+@pytest.mark.parametrize("C, F", [(24, 40), (40, 24)])  # x or the output gradient transposed
+def test_bf16_matmul_is_the_float32_matmul_of_bf16_rounded_operands(C, F):
+    kx, kw, kg = jax.random.split(jax.random.key(0), 3)
+    x, w, g = jax.random.normal(kx, (48, C)), jax.random.normal(kw, (C, F)), jax.random.normal(kg, (48, F))
+    y, vjp = jax.vjp(jax.jit(bf16_matmul), x, w)
+    assert y.dtype == jnp.float32
+    # Products of bfloat16 values are exact in float32; only the summation order may differ.
+    np.testing.assert_allclose(y, _rounded(x) @ _rounded(w), rtol=1e-5, atol=1e-5)
+    dx, dw = vjp(g)
+    assert dx.dtype == dw.dtype == jnp.float32
+    np.testing.assert_allclose(dx, _rounded(g) @ _rounded(w).T, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(dw, _rounded(x).T @ _rounded(g), rtol=1e-5, atol=1e-5)
+
+
+def test_transposed_copy_is_the_transpose_and_passes_gradients_back_transposed():
+    a = jax.random.normal(jax.random.key(1), (5, 7))
+    np.testing.assert_array_equal(jax.jit(transposed_copy)(a), a.T)
+    weights = jax.random.normal(jax.random.key(2), (7, 5))
+    grad = jax.grad(lambda a: jnp.sum(transposed_copy(a) * weights))(a)
+    np.testing.assert_array_equal(grad, weights.T)
+
+
+def _matmuls(jaxpr, found):
+    """Every dot_general in a jaxpr and its sub-jaxprs: (operand dtype, ranks, dimension numbers)."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            lhs, rhs = (v.aval for v in eqn.invars)
+            found[(str(lhs.dtype), lhs.ndim, rhs.ndim, str(eqn.params["dimension_numbers"]))] += 1
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            _matmuls(sub, found)
+    return found
+
+
+def _gradient(cfg, params, tokens):
+    return jax.grad(lambda p: jnp.mean(forward(p, cfg, tokens) ** 2))
+
+
+@cpu_only
+@pytest.mark.parametrize("tie_embeddings", [True, False])
+def test_cpu_bf16_model_runs_every_projection_as_a_row_major_bf16_matmul(tie_embeddings):
+    cfg = dataclasses.replace(TINY, tie_embeddings=tie_embeddings)
+    params = init_params(cfg, jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, cfg.vocab_size)
+    found = _matmuls(jax.make_jaxpr(_gradient(cfg, params, tokens))(params).jaxpr, collections.Counter())
+    row_major = ("bfloat16", 2, 2, "(((1,), (0,)), ((), ()))")
+    # 4 projections a block (one scanned body forward, one backward: 1 + 2 matmuls each) and the head.
+    assert found.pop(row_major) == 4 * 3 + 3
+    # What is left is the attention (batched, float32): no 2-D matmul took another form.
+    assert all(ndim > 2 and dtype == "float32" for dtype, ndim, _, _ in found)
+
+
+@cpu_only
+def test_cpu_remat_policy_keeps_the_bf16_matmuls_inputs():
+    # The scanned stack saves each projection's bfloat16 input as 16-bit words: transposed,
+    # [L, C_in, B * T], where it is the narrower operand of the kernel gradient, else [L, B * T,
+    # C_in]. So the backward pass neither recomputes a forward matmul nor transposes a
+    # recomputed activation.
+    cfg = TINY
+    params = init_params(cfg, jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, cfg.vocab_size)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        jax.ad_checkpoint.print_saved_residuals(lambda p: jnp.mean(forward(p, cfg, tokens) ** 2), params)
+    stacked = re.findall(r"^u16\[(\d+),(\d+),(\d+)\] output of scan", printed.getvalue(), re.M)
+    L, C, F, N = cfg.n_layers, cfg.d_model, cfg.hidden_size, 2 * 16
+    # qkv, out and up read C-wide inputs; down reads the F-wide hidden layer.
+    assert sorted(tuple(map(int, shape)) for shape in stacked) == sorted([(L, C, N)] * 3 + [(L, N, F)])
+
+
+@cpu_only
+def test_cpu_bf16_gradient_stays_close_to_float32():
+    params = init_params(TINY, jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, TINY.vocab_size)
+    f32 = dataclasses.replace(TINY, dtype="float32")
+    got = jax.jit(_gradient(TINY, params, tokens))(params)
+    want = jax.jit(_gradient(f32, params, tokens))(params)
+    for path, g, w in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree_util.tree_leaves(got),
+                          jax.tree_util.tree_leaves(want)):
+        assert g.dtype == jnp.float32
+        scale = float(jnp.abs(w).max())
+        np.testing.assert_allclose(g, w, atol=0.03 * scale, err_msg=jax.tree_util.keystr(path[0]))
