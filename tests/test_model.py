@@ -58,6 +58,17 @@ def test_day1_baseline_has_the_seed_parameter_count():
     assert count_params(params) == 2 * (4 * C**2 + 8 * C**2 + 4 * C) + V * C + T * C + 2 * C == 541_952
 
 
+def test_gpt2_124m_config_has_gpt2_smalls_parameter_count():
+    from pathlib import Path
+
+    from jaxgpt.config import load_config
+
+    cfg = load_config(Path(__file__).resolve().parents[1] / "experiments/gpt2_124m.toml").model
+    params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
+    # Hugging Face's GPT-2 small has 124,439,808; the vocabulary is padded by 47 rows of 768.
+    assert count_params(params) == 124_439_808 + (50_304 - 50_257) * 768 == 124_475_904
+
+
 @pytest.mark.parametrize("overrides", [
     dict(d_model=64, n_layers=3, n_heads=2, vocab_size=500, context_length=32),
     dict(d_model=256, n_layers=4, n_heads=8, vocab_size=2048, context_length=256),
