@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxgpt.config import ModelConfig
-from jaxgpt.matmul import cpu_bf16_dot_general, flat_dot_general
+from jaxgpt.matmul import bf16_causal_attention, cpu_bf16_dot_general, flat_dot_general
 
 Rope = tuple[jax.Array, jax.Array]  # (cos, sin), each [B, T, D/2] float32
 KV = tuple[jax.Array, jax.Array]  # one layer's cached keys and values, each [B, S, K, D]
@@ -129,7 +129,9 @@ class CausalSelfAttention(nn.Module):
         if rope is not None:
             q_BTHD, k_BTKD = apply_rope(q_BTHD, rope), apply_rope(k_BTKD, rope)
 
-        if kv is None and jax.default_backend() == "cpu":
+        if kv is None and bf16_on_cpu(cfg) and not cfg.remat:
+            out_BTHD = bf16_causal_attention(q_BTHD, k_BTKD, v_BTKD, causal_query_blocks(T))
+        elif kv is None and jax.default_backend() == "cpu":
             out_BTHD = blocked_causal_attention(
                 q_BTHD, k_BTKD, v_BTKD, tile=REMAT_TILE if cfg.remat else None)
         elif kv is None:

@@ -6,11 +6,13 @@ has no bfloat16 vector arithmetic (it converts to float32 and back around every 
 but on CPUs with AVX512-BF16 or AMX its matmul runs bfloat16 operands into a float32
 accumulator at about twice the float32 rate. So there the activations stay float32 and only
 the matmul operands are bfloat16, as PyTorch's CPU autocast does (scripts/perf_notes.md,
-change 12).
+changes 12 and 13): `bf16_matmul` for the projections and the head, `bf16_causal_attention`
+for the attention.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -63,16 +65,16 @@ def cpu_bf16_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
     return out.astype(preferred_element_type or lhs.dtype)
 
 
-def transposed_copy(a_MN: jax.Array) -> jax.Array:
-    """`a.T`, written out row-major.
+def transposed_copy(a: jax.Array) -> jax.Array:
+    """`a` with its last two axes swapped, written out row-major.
 
     XLA CPU runs a bfloat16 matmul natively only on row-major `[M, K] x [K, N]` operands. A plain
     transpose is a layout change that XLA folds into the matmul, and the matmul then gets its
     operands converted to float32 (half the speed, plus the converts). Behind the barrier XLA
     cannot see that the flattened array is a transpose, so it writes it out.
     """
-    M, N = a_MN.shape
-    return jax.lax.optimization_barrier(a_MN.T.reshape(-1)).reshape(N, M)
+    swapped = jnp.swapaxes(a, -1, -2)
+    return jax.lax.optimization_barrier(swapped.reshape(-1)).reshape(swapped.shape)
 
 
 def bf16_matmul(x_NC: jax.Array, w_CF: jax.Array) -> jax.Array:
@@ -125,3 +127,66 @@ def _bf16_matmul_bwd(residuals, g_NF):
 
 
 _bf16_matmul.defvjp(_bf16_matmul_fwd, _bf16_matmul_bwd)
+
+
+def bf16_causal_attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, blocks: int) -> jax.Array:
+    """Causal attention with bfloat16 matmul operands (float32 in and out, softmax in float32).
+
+    The query blocks of `layers.blocked_causal_attention` (block i of `blocks` reads keys
+    [0, (i + 1) T / blocks)), laid out head-major with the G query heads of a KV head stacked
+    as rows, each computed by `_bf16_attention_block`.
+    """
+    B, T, H, D = q_BTHD.shape
+    K = k_BTKD.shape[2]
+    G, size = H // K, T // blocks
+    q_BKGTD = (q_BTHD.astype(jnp.float32) * D**-0.5).reshape(B, T, K, G, D).transpose(0, 2, 3, 1, 4)
+    k_XTD, v_XTD = (t.astype(jnp.float32).transpose(0, 2, 1, 3).reshape(B * K, T, D) for t in (k_BTKD, v_BTKD))
+    outs = []
+    for i in range(blocks):
+        S = (i + 1) * size  # keys this block may read
+        q_XMD = q_BKGTD[:, :, :, i * size: S].reshape(B * K, G * size, D)
+        out = _bf16_attention_block(q_XMD, k_XTD[:, :S], v_XTD[:, :S], size, i * size)
+        outs.append(out.reshape(B, K, G, size, D))
+    return jnp.concatenate(outs, axis=3).transpose(0, 3, 1, 2, 4).reshape(B, T, H, D)
+
+
+def _batched(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
+    return jnp.einsum(spec, a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
+
+
+def _block_mask(rows: int, keys: int, queries: int, offset: int) -> jax.Array:
+    """Row r is query r % `queries` of its head, `offset` positions after the first key."""
+    return jnp.arange(keys)[None, :] <= offset + (jnp.arange(rows) % queries)[:, None]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _bf16_attention_block(q_XMD, k_XSD, v_XSD, queries, offset):
+    return _bf16_attention_block_fwd(q_XMD, k_XSD, v_XSD, queries, offset)[0]
+
+
+def _bf16_attention_block_fwd(q_XMD, k_XSD, v_XSD, queries, offset):
+    q_XMD, k_XSD, v_XSD = (t.astype(jnp.bfloat16) for t in (q_XMD, k_XSD, v_XSD))
+    scores_XMS = _batched("xmd,xsd->xms", q_XMD, k_XSD)
+    mask = _block_mask(q_XMD.shape[1], k_XSD.shape[1], queries, offset)
+    probs_XMS = jax.nn.softmax(jnp.where(mask, scores_XMS, -jnp.inf), axis=-1).astype(jnp.bfloat16)
+    return _batched("xms,xsd->xmd", probs_XMS, v_XSD), (q_XMD, k_XSD, v_XSD, probs_XMS)
+
+
+def _bf16_attention_block_bwd(queries, offset, residuals, g_XMD):
+    """Autodiff would contract the probabilities' (and their gradient's) first axis for dv and
+    dk, a form XLA CPU runs only after converting to float32; their transposes, computed from
+    transposed copies of the small q and g, take the native forms."""
+    q_XMD, k_XSD, v_XSD, probs_XMS = residuals
+    g_XMD = g_XMD.astype(jnp.bfloat16)
+    p_XMS = probs_XMS.astype(jnp.float32)
+    dp_XMS = _batched("xmd,xsd->xms", g_XMD, v_XSD)
+    ds_XMS = (p_XMS * (dp_XMS - jnp.sum(dp_XMS * p_XMS, axis=-1, keepdims=True))).astype(jnp.bfloat16)
+    dq_XMD = _batched("xms,xsd->xmd", ds_XMS, k_XSD)
+    dk_XDS = _batched("xdm,xms->xds", transposed_copy(q_XMD), ds_XMS)
+    dv_XDS = _batched("xdm,xms->xds", transposed_copy(g_XMD), probs_XMS)
+    # Behind the barrier XLA cannot fold the transposes back into the matmuls.
+    return (dq_XMD, transposed_copy(jax.lax.optimization_barrier(dk_XDS)),
+            transposed_copy(jax.lax.optimization_barrier(dv_XDS)))
+
+
+_bf16_attention_block.defvjp(_bf16_attention_block_fwd, _bf16_attention_block_bwd)

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from jaxgpt.config import ModelConfig
-from jaxgpt.matmul import bf16_matmul, transposed_copy
+from jaxgpt.layers import causal_query_blocks
+from jaxgpt.matmul import bf16_causal_attention, bf16_matmul, transposed_copy
 from jaxgpt.model import forward, init_params
 
 TINY = ModelConfig(vocab_size=64, context_length=16, d_model=32, n_layers=2, n_heads=4, dtype="bfloat16")
@@ -46,6 +47,26 @@ def test_transposed_copy_is_the_transpose_and_passes_gradients_back_transposed()
     np.testing.assert_array_equal(grad, weights.T)
 
 
+@pytest.mark.parametrize("B, T, H, K, D", [(2, 128, 4, 4, 16), (2, 64, 4, 2, 8), (1, 40, 2, 1, 8)])
+def test_bf16_causal_attention_matches_dot_product_attention(B, T, H, K, D):
+    # 4, 2 and 1 query blocks; grouped KV heads; values and gradients to bfloat16's precision.
+    keys = jax.random.split(jax.random.key(3), 4)
+    q, g = (jax.random.normal(key, (B, T, H, D)) for key in (keys[0], keys[3]))
+    k, v = (jax.random.normal(key, (B, T, K, D)) for key in keys[1:3])
+
+    def reference(q, k, v):
+        k, v = (jnp.repeat(t, H // K, axis=2) for t in (k, v))
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+
+    ours = jax.jit(lambda q, k, v: bf16_causal_attention(q, k, v, causal_query_blocks(T)))
+    got, got_vjp = jax.vjp(ours, q, k, v)
+    want, want_vjp = jax.vjp(reference, q, k, v)
+    assert got.dtype == jnp.float32
+    np.testing.assert_allclose(got, want, atol=0.03)
+    for name, a, b in zip("qkv", got_vjp(g), want_vjp(g)):
+        np.testing.assert_allclose(a, b, atol=0.02 * float(jnp.abs(b).max()), err_msg=f"d{name}")
+
+
 def _matmuls(jaxpr, found):
     """Every dot_general in a jaxpr and its sub-jaxprs: (operand dtype, ranks, dimension numbers)."""
     for eqn in jaxpr.eqns:
@@ -63,7 +84,7 @@ def _gradient(cfg, params, tokens):
 
 @cpu_only
 @pytest.mark.parametrize("tie_embeddings", [True, False])
-def test_cpu_bf16_model_runs_every_projection_as_a_row_major_bf16_matmul(tie_embeddings):
+def test_cpu_bf16_model_runs_every_matmul_in_a_native_bf16_form(tie_embeddings):
     cfg = dataclasses.replace(TINY, tie_embeddings=tie_embeddings)
     params = init_params(cfg, jax.random.key(0))
     tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, cfg.vocab_size)
@@ -71,8 +92,10 @@ def test_cpu_bf16_model_runs_every_projection_as_a_row_major_bf16_matmul(tie_emb
     row_major = ("bfloat16", 2, 2, "(((1,), (0,)), ((), ()))")
     # 4 projections a block (one scanned body forward, one backward: 1 + 2 matmuls each) and the head.
     assert found.pop(row_major) == 4 * 3 + 3
-    # What is left is the attention (batched, float32): no 2-D matmul took another form.
-    assert all(ndim > 2 and dtype == "float32" for dtype, ndim, _, _ in found)
+    # What is left is the attention: batched, bfloat16, and no matmul contracts the first axis
+    # of its left operand (the form XLA CPU converts to float32).
+    assert found and all(dtype == "bfloat16" and ndim == 3 for dtype, ndim, _, _ in found)
+    assert all(dims.startswith("(((2,), ") for _, _, _, dims in found), found
 
 
 @cpu_only
