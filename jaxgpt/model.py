@@ -32,17 +32,15 @@ Params = dict[str, Any]
 Cache = dict[str, jax.Array]  # {"k": [L, B, S, K, D], "v": [L, B, S, K, D], "index": [B]}
 
 
-def _flat_einsum(spec: str, h_BTC: jax.Array, kernel: jax.Array) -> jax.Array:
-    """The head's matmul on [B * T, C] (float32 out): see `jaxgpt.layers.flat_dot_general`."""
+def _flat(matmul: Any, h_BTC: jax.Array, w: jax.Array) -> jax.Array:
+    """`matmul` ([N, C] and a weight -> [N, F]) applied to [B * T, C]: see
+    `jaxgpt.matmul.flat_dot_general` for why the heads multiply 2-D."""
     B, T, C = h_BTC.shape
-    logits = jnp.einsum(spec, h_BTC.reshape(B * T, C), kernel, preferred_element_type=jnp.float32)
-    return logits.reshape(B, T, -1)
+    return matmul(h_BTC.reshape(B * T, C), w).reshape(B, T, -1)
 
 
-def _flat(matmul: Any, h_BTC: jax.Array, w_CF: jax.Array) -> jax.Array:
-    """`matmul` ([N, C] x [C, F] -> [N, F]) applied to [B * T, C]."""
-    B, T, C = h_BTC.shape
-    return matmul(h_BTC.reshape(B * T, C), w_CF).reshape(B, T, -1)
+def _einsum_f32(spec: str) -> Any:
+    return lambda h, w: jnp.einsum(spec, h, w, preferred_element_type=jnp.float32)
 
 
 def _tied_head(cfg: ModelConfig, h_BTC: jax.Array, embedding_VC: jax.Array) -> jax.Array:
@@ -52,7 +50,7 @@ def _tied_head(cfg: ModelConfig, h_BTC: jax.Array, embedding_VC: jax.Array) -> j
     dtype = compute_dtype(cfg)
     h_BTC, embedding_VC = h_BTC.astype(dtype), embedding_VC.astype(dtype)
     if jax.default_backend() != "cpu":
-        return _flat_einsum("nc,vc->nv", h_BTC, embedding_VC)
+        return _flat(_einsum_f32("nc,vc->nv"), h_BTC, embedding_VC)
     return _flat(_tied_logits_cpu, h_BTC, embedding_VC)
 
 
@@ -112,7 +110,7 @@ class UntiedHead(nn.Module):
         if bf16_on_cpu(cfg):
             return _flat(bf16_matmul, h_BTC, kernel_CV)
         dtype = compute_dtype(cfg)
-        return _flat_einsum("nc,cv->nv", h_BTC.astype(dtype), kernel_CV.astype(dtype))
+        return _flat(_einsum_f32("nc,cv->nv"), h_BTC.astype(dtype), kernel_CV.astype(dtype))
 
 
 class Decoder(nn.Module):
