@@ -54,15 +54,13 @@ def cpu_bf16_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
                          precision: Any = None, preferred_element_type: Any = None, **kwargs: Any) -> jax.Array:
     """`nn.Dense`'s dot for bfloat16 compute on the CPU: `bf16_matmul` on the flattened input.
 
-    Inputs and output are in the activation dtype (float32 on the CPU); dots of another form
-    fall back to `flat_dot_general` on bfloat16 operands.
+    Inputs and output are in the activation dtype (float32 on the CPU).
     """
-    if _is_flat_matmul(lhs, rhs, dimension_numbers):
-        out = bf16_matmul(lhs.reshape(-1, lhs.shape[-1]), rhs)
-        return out.reshape(*lhs.shape[:-1], rhs.shape[-1]).astype(lhs.dtype)
-    out = flat_dot_general(lhs.astype(jnp.bfloat16), rhs.astype(jnp.bfloat16), dimension_numbers,
-                           precision=precision, preferred_element_type=jnp.float32, **kwargs)
-    return out.astype(preferred_element_type or lhs.dtype)
+    if not _is_flat_matmul(lhs, rhs, dimension_numbers):
+        raise ValueError(f"cpu_bf16_dot_general multiplies [..., C] x [C, F] only; got {lhs.shape} x "
+                         f"{rhs.shape} with dimension numbers {dimension_numbers}")
+    out = bf16_matmul(lhs.reshape(-1, lhs.shape[-1]), rhs)
+    return out.reshape(*lhs.shape[:-1], rhs.shape[-1]).astype(lhs.dtype)
 
 
 def transposed_copy(a: jax.Array) -> jax.Array:

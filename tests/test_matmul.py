@@ -14,7 +14,7 @@ import pytest
 
 from jaxgpt.config import ModelConfig
 from jaxgpt.layers import causal_query_blocks
-from jaxgpt.matmul import bf16_causal_attention, bf16_matmul, transposed_copy
+from jaxgpt.matmul import bf16_causal_attention, bf16_matmul, cpu_bf16_dot_general, transposed_copy
 from jaxgpt.model import forward, init_params
 
 TINY = ModelConfig(vocab_size=64, context_length=16, d_model=32, n_layers=2, n_heads=4, dtype="bfloat16")
@@ -37,6 +37,13 @@ def test_bf16_matmul_is_the_float32_matmul_of_bf16_rounded_operands(C, F):
     assert dx.dtype == dw.dtype == jnp.float32
     np.testing.assert_allclose(dx, _rounded(g) @ _rounded(w).T, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(dw, _rounded(x).T @ _rounded(g), rtol=1e-5, atol=1e-5)
+
+
+def test_cpu_bf16_dot_general_refuses_forms_it_does_not_run():
+    x, w = jnp.ones((2, 3, 4)), jnp.ones((4, 5))
+    np.testing.assert_allclose(cpu_bf16_dot_general(x, w, (((2,), (0,)), ((), ()))), jnp.full((2, 3, 5), 4.0))
+    with pytest.raises(ValueError, match=r"\[\.\.\., C\] x \[C, F\] only"):
+        cpu_bf16_dot_general(x, jnp.ones((2, 4, 5)), (((2,), (1,)), ((0,), (0,))))
 
 
 def test_transposed_copy_is_the_transpose_and_passes_gradients_back_transposed():

@@ -351,9 +351,9 @@ class TestBadInput:
             forward_cached(self.params, self.cfg, jnp.zeros((1, 1), jnp.int32), cache, fresh=True)
 
 
-@pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
-def test_cpu_tied_head_gradient_equals_autodiff(dtype, tol):
-    # The CPU tied head's own VJP (a transposed copy of dlogits) must give autodiff's values.
+def test_cpu_tied_head_gradient_equals_autodiff(dtype=jnp.float32, tol=1e-5):
+    # The CPU float32 tied head's own VJP (a transposed copy of dlogits) must give autodiff's
+    # values. (bfloat16 on the CPU reads out through matmul.bf16_matmul: tests/test_matmul.py.)
     from jaxgpt.model import _tied_logits_cpu
 
     keys = jax.random.split(jax.random.key(3), 3)
