@@ -21,6 +21,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 # Names of what `bf16_matmul` keeps for its backward pass; the CPU remat policy saves them.
 BF16_MATMUL_SAVED = ("bf16_matmul_out", "bf16_matmul_input_t")
+# ... and of what `bf16_causal_attention` keeps (its bfloat16 q, k and v).
+BF16_ATTENTION_SAVED = "bf16_attention_qkv"
 
 
 def _is_flat_matmul(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any) -> bool:
@@ -132,20 +134,14 @@ def bf16_causal_attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Arra
 
     The query blocks of `layers.blocked_causal_attention` (block i of `blocks` reads keys
     [0, (i + 1) T / blocks)), laid out head-major with the G query heads of a KV head stacked
-    as rows, each computed by `_bf16_attention_block`.
+    as rows (`_bf16_attention`).
     """
     B, T, H, D = q_BTHD.shape
     K = k_BTKD.shape[2]
-    G, size = H // K, T // blocks
-    q_BKGTD = (q_BTHD.astype(jnp.float32) * D**-0.5).reshape(B, T, K, G, D).transpose(0, 2, 3, 1, 4)
+    q_XGTD = (q_BTHD.astype(jnp.float32) * D**-0.5).reshape(B, T, K, H // K, D).transpose(0, 2, 3, 1, 4)
     k_XTD, v_XTD = (t.astype(jnp.float32).transpose(0, 2, 1, 3).reshape(B * K, T, D) for t in (k_BTKD, v_BTKD))
-    outs = []
-    for i in range(blocks):
-        S = (i + 1) * size  # keys this block may read
-        q_XMD = q_BKGTD[:, :, :, i * size: S].reshape(B * K, G * size, D)
-        out = _bf16_attention_block(q_XMD, k_XTD[:, :S], v_XTD[:, :S], size, i * size)
-        outs.append(out.reshape(B, K, G, size, D))
-    return jnp.concatenate(outs, axis=3).transpose(0, 3, 1, 2, 4).reshape(B, T, H, D)
+    out_XGTD = _bf16_attention(q_XGTD.reshape(B * K, H // K, T, D), k_XTD, v_XTD, blocks)
+    return out_XGTD.reshape(B, K, H // K, T, D).transpose(0, 3, 1, 2, 4).reshape(B, T, H, D)
 
 
 def _batched(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
@@ -157,34 +153,66 @@ def _block_mask(rows: int, keys: int, queries: int, offset: int) -> jax.Array:
     return jnp.arange(keys)[None, :] <= offset + (jnp.arange(rows) % queries)[:, None]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _bf16_attention_block(q_XMD, k_XSD, v_XSD, queries, offset):
-    return _bf16_attention_block_fwd(q_XMD, k_XSD, v_XSD, queries, offset)[0]
+def _query_block(t_XGTD: jax.Array, i: int, size: int) -> jax.Array:
+    """Queries [i * size, (i + 1) * size) of every head, heads stacked as rows: [X, G * size, D]."""
+    X, G, _, D = t_XGTD.shape
+    return t_XGTD[:, :, i * size: (i + 1) * size].reshape(X, G * size, D)
 
 
-def _bf16_attention_block_fwd(q_XMD, k_XSD, v_XSD, queries, offset):
-    q_XMD, k_XSD, v_XSD = (t.astype(jnp.bfloat16) for t in (q_XMD, k_XSD, v_XSD))
+def _block_probs(q_XMD: jax.Array, k_XSD: jax.Array, queries: int, offset: int) -> jax.Array:
     scores_XMS = _batched("xmd,xsd->xms", q_XMD, k_XSD)
     mask = _block_mask(q_XMD.shape[1], k_XSD.shape[1], queries, offset)
-    probs_XMS = jax.nn.softmax(jnp.where(mask, scores_XMS, -jnp.inf), axis=-1).astype(jnp.bfloat16)
-    return _batched("xms,xsd->xmd", probs_XMS, v_XSD), (q_XMD, k_XSD, v_XSD, probs_XMS)
+    return jax.nn.softmax(jnp.where(mask, scores_XMS, -jnp.inf), axis=-1).astype(jnp.bfloat16)
 
 
-def _bf16_attention_block_bwd(queries, offset, residuals, g_XMD):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _bf16_attention(q_XGTD, k_XTD, v_XTD, blocks):
+    return _bf16_attention_fwd(q_XGTD, k_XTD, v_XTD, blocks)[0]
+
+
+def _bf16_attention_fwd(q_XGTD, k_XTD, v_XTD, blocks):
+    """Keeps only q, k and v, in bfloat16 (as raw 16-bit words, named for the CPU remat policy,
+    as `bf16_matmul` keeps its input): the backward pass recomputes each block's probabilities
+    from them, so it neither holds the [T, T] squares nor recomputes the head-major layout from
+    the float32 qkv projection."""
+    X, G, T, D = q_XGTD.shape
+    size = T // blocks
+    q_XGTD, k_XTD, v_XTD = (t.astype(jnp.bfloat16) for t in (q_XGTD, k_XTD, v_XTD))
+    outs = []
+    for i in range(blocks):
+        S = (i + 1) * size  # keys this block may read
+        probs_XMS = _block_probs(_query_block(q_XGTD, i, size), k_XTD[:, :S], size, i * size)
+        outs.append(_batched("xms,xsd->xmd", probs_XMS, v_XTD[:, :S]).reshape(X, G, size, D))
+    kept = tuple(checkpoint_name(jax.lax.bitcast_convert_type(t, jnp.uint16), BF16_ATTENTION_SAVED)
+                 for t in (q_XGTD, k_XTD, v_XTD))
+    return jnp.concatenate(outs, axis=2), kept
+
+
+def _bf16_attention_bwd(blocks, kept, g_XGTD):
     """Autodiff would contract the probabilities' (and their gradient's) first axis for dv and
     dk, a form XLA CPU runs only after converting to float32; their transposes, computed from
-    transposed copies of the small q and g, take the native forms."""
-    q_XMD, k_XSD, v_XSD, probs_XMS = residuals
-    g_XMD = g_XMD.astype(jnp.bfloat16)
-    p_XMS = probs_XMS.astype(jnp.float32)
-    dp_XMS = _batched("xmd,xsd->xms", g_XMD, v_XSD)
-    ds_XMS = (p_XMS * (dp_XMS - jnp.sum(dp_XMS * p_XMS, axis=-1, keepdims=True))).astype(jnp.bfloat16)
-    dq_XMD = _batched("xms,xsd->xmd", ds_XMS, k_XSD)
-    dk_XDS = _batched("xdm,xms->xds", transposed_copy(q_XMD), ds_XMS)
-    dv_XDS = _batched("xdm,xms->xds", transposed_copy(g_XMD), probs_XMS)
+    transposed copies of the small q and g blocks, take the native forms, and are transposed
+    back once, summed over the blocks."""
+    q_XGTD, k_XTD, v_XTD = (jax.lax.bitcast_convert_type(t, jnp.bfloat16) for t in kept)
+    X, G, T, D = q_XGTD.shape
+    size = T // blocks
+    g_XGTD = g_XGTD.astype(jnp.bfloat16)
+    dq, dk_XDT, dv_XDT = [], 0.0, 0.0
+    for i in range(blocks):
+        S = (i + 1) * size
+        q_XMD, g_XMD = _query_block(q_XGTD, i, size), _query_block(g_XGTD, i, size)
+        k_XSD, v_XSD = k_XTD[:, :S], v_XTD[:, :S]
+        probs_XMS = _block_probs(q_XMD, k_XSD, size, i * size)
+        p_XMS = probs_XMS.astype(jnp.float32)
+        dp_XMS = _batched("xmd,xsd->xms", g_XMD, v_XSD)
+        ds_XMS = (p_XMS * (dp_XMS - jnp.sum(dp_XMS * p_XMS, axis=-1, keepdims=True))).astype(jnp.bfloat16)
+        dq.append(_batched("xms,xsd->xmd", ds_XMS, k_XSD).reshape(X, G, size, D))
+        pad = ((0, 0), (0, 0), (0, T - S))
+        dk_XDT = dk_XDT + jnp.pad(_batched("xdm,xms->xds", transposed_copy(q_XMD), ds_XMS), pad)
+        dv_XDT = dv_XDT + jnp.pad(_batched("xdm,xms->xds", transposed_copy(g_XMD), probs_XMS), pad)
     # Behind the barrier XLA cannot fold the transposes back into the matmuls.
-    return (dq_XMD, transposed_copy(jax.lax.optimization_barrier(dk_XDS)),
-            transposed_copy(jax.lax.optimization_barrier(dv_XDS)))
+    return (jnp.concatenate(dq, axis=2), transposed_copy(jax.lax.optimization_barrier(dk_XDT)),
+            transposed_copy(jax.lax.optimization_barrier(dv_XDT)))
 
 
-_bf16_attention_block.defvjp(_bf16_attention_block_fwd, _bf16_attention_block_bwd)
+_bf16_attention.defvjp(_bf16_attention_fwd, _bf16_attention_bwd)

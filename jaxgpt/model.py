@@ -26,7 +26,7 @@ import numpy as np
 from jaxgpt.config import ModelConfig
 from jaxgpt.layers import (FeedForward, TransformerBlock, activation_dtype, bf16_on_cpu, compute_dtype,
                            dense_init, make_norm, rope_tables, write_kv)
-from jaxgpt.matmul import BF16_MATMUL_SAVED, bf16_matmul, transposed_copy
+from jaxgpt.matmul import BF16_ATTENTION_SAVED, BF16_MATMUL_SAVED, bf16_matmul, transposed_copy
 
 Params = dict[str, Any]
 Cache = dict[str, jax.Array]  # {"k": [L, B, S, K, D], "v": [L, B, S, K, D], "index": [B]}
@@ -208,7 +208,7 @@ def _block_class(cfg: ModelConfig) -> type[nn.Module]:
     if cfg.scan_layers and jax.default_backend() == "cpu":
         policies = jax.checkpoint_policies
         return nn.remat(TransformerBlock, prevent_cse=False, policy=policies.save_from_both_policies(
-            policies.dots_with_no_batch_dims_saveable, policies.save_only_these_names(*BF16_MATMUL_SAVED)))
+            policies.dots_with_no_batch_dims_saveable, policies.save_only_these_names(*BF16_MATMUL_SAVED, BF16_ATTENTION_SAVED)))
     return TransformerBlock
 
 

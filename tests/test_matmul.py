@@ -106,21 +106,29 @@ def test_cpu_bf16_model_runs_every_matmul_in_a_native_bf16_form(tie_embeddings):
 
 
 @cpu_only
-def test_cpu_remat_policy_keeps_the_bf16_matmuls_inputs():
+def test_cpu_remat_policy_keeps_the_bf16_matmuls_and_attention_inputs():
     # The scanned stack saves each projection's bfloat16 input as 16-bit words: transposed,
     # [L, C_in, B * T], where it is the narrower operand of the kernel gradient, else [L, B * T,
     # C_in]. So the backward pass neither recomputes a forward matmul nor transposes a
-    # recomputed activation.
-    cfg = TINY
+    # recomputed activation. The attention keeps its head-major bfloat16 q [L, B * K, G, T, D],
+    # k and v [L, B * K, T, D], and nothing recomputes them from the float32 qkv projection.
+    cfg = dataclasses.replace(TINY, kv_heads=2)
     params = init_params(cfg, jax.random.key(0))
-    tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, cfg.vocab_size)
+    B, T = 2, 16
+    tokens = jax.random.randint(jax.random.key(1), (B, T), 0, cfg.vocab_size)
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         jax.ad_checkpoint.print_saved_residuals(lambda p: jnp.mean(forward(p, cfg, tokens) ** 2), params)
-    stacked = re.findall(r"^u16\[(\d+),(\d+),(\d+)\] output of scan", printed.getvalue(), re.M)
-    L, C, F, N = cfg.n_layers, cfg.d_model, cfg.hidden_size, 2 * 16
+    saved = printed.getvalue()
+    stacked = re.findall(r"^u16\[([\d,]+)\] output of scan", saved, re.M)
+    L, C, F, N = cfg.n_layers, cfg.d_model, cfg.hidden_size, B * T
+    K, G, D = cfg.kv_heads, cfg.n_heads // cfg.kv_heads, cfg.head_size
     # qkv, out and up read C-wide inputs; down reads the F-wide hidden layer.
-    assert sorted(tuple(map(int, shape)) for shape in stacked) == sorted([(L, C, N)] * 3 + [(L, N, F)])
+    matmul_inputs = [(L, C, N)] * 3 + [(L, N, F)]
+    attention_inputs = [(L, B * K, G, T, D), (L, B * K, T, D), (L, B * K, T, D)]
+    assert sorted(tuple(map(int, shape.split(","))) for shape in stacked) == sorted(matmul_inputs + attention_inputs)
+    qkv_width = (cfg.n_heads + 2 * K) * D
+    assert not re.search(rf"^f32\[{L},({B},{T}|{N}),{qkv_width}\] output of", saved, re.M), saved
 
 
 @cpu_only
