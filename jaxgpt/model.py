@@ -196,8 +196,9 @@ def _block_class(cfg: ModelConfig) -> type[nn.Module]:
 
     `model.remat` recomputes the whole block; on CPU its attention then runs in tiles, so that no
     backward holds a [T, T] square (`layers.REMAT_TILE`). Without it, a scanned stack on CPU still
-    saves only the matmul outputs (with bfloat16 compute, what `matmul.bf16_matmul` names) and
-    recomputes the cheap elementwise work (norms, GELU, softmax) in the backward pass: the same
+    saves only the matmul outputs (with bfloat16 compute, what `matmul.bf16_matmul` and
+    `matmul.bf16_causal_attention` name) and recomputes the cheap elementwise work (norms, GELU,
+    softmax) in the backward pass: the same
     matmuls, but about half the per-layer residuals, which the scan stacks into buffers that XLA
     CPU zero-fills, copies and page-faults afresh every step (about a fifth of the step time;
     scripts/perf_notes.md). GPU and TPU keep XLA's own choices
@@ -207,8 +208,9 @@ def _block_class(cfg: ModelConfig) -> type[nn.Module]:
         return nn.remat(TransformerBlock, prevent_cse=not cfg.scan_layers)
     if cfg.scan_layers and jax.default_backend() == "cpu":
         policies = jax.checkpoint_policies
+        saved_by_name = policies.save_only_these_names(*BF16_MATMUL_SAVED, BF16_ATTENTION_SAVED)
         return nn.remat(TransformerBlock, prevent_cse=False, policy=policies.save_from_both_policies(
-            policies.dots_with_no_batch_dims_saveable, policies.save_only_these_names(*BF16_MATMUL_SAVED, BF16_ATTENTION_SAVED)))
+            policies.dots_with_no_batch_dims_saveable, saved_by_name))
     return TransformerBlock
 
 
