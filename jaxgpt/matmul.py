@@ -94,6 +94,17 @@ def _bf16_dot(a: jax.Array, b: jax.Array) -> jax.Array:
     return jnp.dot(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
 
 
+def _keep(a: jax.Array, name: str) -> jax.Array:
+    """A bfloat16 residual as raw 16-bit words, named for the CPU remat policy. The scan stacks
+    what a layer saves with dynamic-update-slice, which XLA CPU does not do in bfloat16: it would
+    convert the whole [L, ...] stack to float32 and back for every layer."""
+    return checkpoint_name(jax.lax.bitcast_convert_type(a, jnp.uint16), name)
+
+
+def _kept(words: jax.Array) -> jax.Array:
+    return jax.lax.bitcast_convert_type(words, jnp.bfloat16)
+
+
 def _transpose_x(w_CF: jax.Array) -> bool:
     C, F = w_CF.shape
     return C <= F
@@ -106,17 +117,13 @@ def _bf16_matmul(x_NC: jax.Array, w_CF: jax.Array) -> jax.Array:
 
 def _bf16_matmul_fwd(x_NC, w_CF):
     x_NC = x_NC.astype(jnp.bfloat16)
-    kept = transposed_copy(x_NC) if _transpose_x(w_CF) else x_NC
-    # Kept as raw 16-bit words: the scan stacks what a layer saves with dynamic-update-slice,
-    # which XLA CPU does not do in bfloat16: it would convert the whole [L, ...] stack to
-    # float32 and back for every layer.
-    kept = checkpoint_name(jax.lax.bitcast_convert_type(kept, jnp.uint16), BF16_MATMUL_SAVED[1])
+    kept = _keep(transposed_copy(x_NC) if _transpose_x(w_CF) else x_NC, BF16_MATMUL_SAVED[1])
     return _bf16_dot(x_NC, w_CF), (kept, w_CF)
 
 
 def _bf16_matmul_bwd(residuals, g_NF):
     kept, w_CF = residuals
-    kept = jax.lax.bitcast_convert_type(kept, jnp.bfloat16)
+    kept = _kept(kept)
     g_NF = g_NF.astype(jnp.bfloat16)
     dx_NC = _bf16_dot(g_NF, transposed_copy(w_CF.astype(jnp.bfloat16)))
     if _transpose_x(w_CF):
@@ -171,10 +178,9 @@ def _bf16_attention(q_XGTD, k_XTD, v_XTD, blocks):
 
 
 def _bf16_attention_fwd(q_XGTD, k_XTD, v_XTD, blocks):
-    """Keeps only q, k and v, in bfloat16 (as raw 16-bit words, named for the CPU remat policy,
-    as `bf16_matmul` keeps its input): the backward pass recomputes each block's probabilities
-    from them, so it neither holds the [T, T] squares nor recomputes the head-major layout from
-    the float32 qkv projection."""
+    """Keeps only q, k and v, in bfloat16 (`_keep`, as `bf16_matmul` keeps its input): the
+    backward pass recomputes each block's probabilities from them, so it neither holds the
+    [T, T] squares nor recomputes the head-major layout from the float32 qkv projection."""
     X, G, T, D = q_XGTD.shape
     size = T // blocks
     q_XGTD, k_XTD, v_XTD = (t.astype(jnp.bfloat16) for t in (q_XGTD, k_XTD, v_XTD))
@@ -183,9 +189,7 @@ def _bf16_attention_fwd(q_XGTD, k_XTD, v_XTD, blocks):
         S = (i + 1) * size  # keys this block may read
         probs_XMS = _block_probs(_query_block(q_XGTD, i, size), k_XTD[:, :S], size, i * size)
         outs.append(_batched("xms,xsd->xmd", probs_XMS, v_XTD[:, :S]).reshape(X, G, size, D))
-    kept = tuple(checkpoint_name(jax.lax.bitcast_convert_type(t, jnp.uint16), BF16_ATTENTION_SAVED)
-                 for t in (q_XGTD, k_XTD, v_XTD))
-    return jnp.concatenate(outs, axis=2), kept
+    return jnp.concatenate(outs, axis=2), tuple(_keep(t, BF16_ATTENTION_SAVED) for t in (q_XGTD, k_XTD, v_XTD))
 
 
 def _bf16_attention_bwd(blocks, kept, g_XGTD):
@@ -193,7 +197,7 @@ def _bf16_attention_bwd(blocks, kept, g_XGTD):
     dk, a form XLA CPU runs only after converting to float32; their transposes, computed from
     transposed copies of the small q and g blocks, take the native forms, and are transposed
     back once, summed over the blocks."""
-    q_XGTD, k_XTD, v_XTD = (jax.lax.bitcast_convert_type(t, jnp.bfloat16) for t in kept)
+    q_XGTD, k_XTD, v_XTD = (_kept(t) for t in kept)
     X, G, T, D = q_XGTD.shape
     size = T // blocks
     g_XGTD = g_XGTD.astype(jnp.bfloat16)
