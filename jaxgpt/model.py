@@ -195,14 +195,15 @@ def _block_class(cfg: ModelConfig) -> type[nn.Module]:
     """The block, wrapped in `nn.remat` when its backward pass should recompute.
 
     `model.remat` recomputes the whole block; on CPU its attention then runs in tiles, so that no
-    backward holds a [T, T] square (`layers.REMAT_TILE`). Without it, a scanned stack on CPU still
-    saves only the matmul outputs (with bfloat16 compute, what `matmul.bf16_matmul` and
-    `matmul.bf16_causal_attention` name) and recomputes the cheap elementwise work (norms, GELU,
-    softmax) in the backward pass: the same
-    matmuls, but about half the per-layer residuals, which the scan stacks into buffers that XLA
-    CPU zero-fills, copies and page-faults afresh every step (about a fifth of the step time;
-    scripts/perf_notes.md). GPU and TPU keep XLA's own choices
-    (a fused attention kernel is no dot and would be recomputed).
+    backward holds a [T, T] square (`layers.REMAT_TILE`; within one tile, bfloat16 compute keeps
+    `matmul.bf16_causal_attention`, whose backward holds only q, k and v). Without it, a scanned
+    stack on CPU still saves only the matmul outputs (with bfloat16 compute, what
+    `matmul.bf16_matmul` and `matmul.bf16_causal_attention` name) and recomputes the cheap
+    elementwise work (norms, GELU, softmax) in the backward pass: the same matmuls, but about half
+    the per-layer residuals, which the scan stacks into buffers that XLA CPU zero-fills, copies
+    and page-faults afresh every step (about a fifth of the step time; scripts/perf_notes.md).
+    GPU and TPU keep XLA's own choices (a fused attention kernel is no dot and would be
+    recomputed).
     """
     if cfg.remat:
         return nn.remat(TransformerBlock, prevent_cse=not cfg.scan_layers)
