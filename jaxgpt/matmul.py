@@ -6,7 +6,7 @@ has no bfloat16 vector arithmetic (it converts to float32 and back around every 
 but on CPUs with AVX512-BF16 or AMX its matmul runs bfloat16 operands into a float32
 accumulator at about twice the float32 rate. So there the activations stay float32 and only
 the matmul operands are bfloat16, as PyTorch's CPU autocast does (scripts/perf_notes.md,
-changes 12 and 13): `bf16_matmul` for the projections and the head, `bf16_causal_attention`
+changes 12 to 15): `bf16_matmul` for the projections and the head, `bf16_causal_attention`
 for the attention.
 """
 

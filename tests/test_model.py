@@ -177,6 +177,8 @@ def test_scanned_and_unrolled_layouts_agree_and_jit_matches_eager():
 
 @pytest.mark.parametrize("overrides, length", [
     ({}, 8),
+    # bfloat16 on the CPU: within one tile, remat keeps the bfloat16 attention (jaxgpt.matmul).
+    ({"dtype": "bfloat16"}, 8),
     # Past REMAT_TILE (128): remat's tiled attention runs two tiles, the second padded; GQA, RoPE.
     ({"context_length": 160, "kv_heads": 2, "position": "rope"}, 160),
 ])
