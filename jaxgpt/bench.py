@@ -145,21 +145,25 @@ def _memory(compiled: Any) -> dict[str, int]:
             if getattr(memory, name, None) is not None}
 
 
+def train_record(run: RunConfig, repeats: int) -> dict[str, Any]:
+    """One `train` record: the step of `run` timed, its MFU against the peak measured beside it."""
+    tokens = run.train.batch_size * run.model.context_length
+    t = time_train_step(run, repeats, with_peak=True)
+    fpt = flops_per_token(run.model)
+    return {
+        "mode": "train", "dtype": run.model.dtype, "remat": run.model.remat, "layers": run.model.n_layers,
+        "d_model": run.model.d_model, "batch": run.train.batch_size,
+        "context": run.model.context_length, "step_ms": t["seconds"] * 1e3,
+        "tokens_per_s": tokens / t["seconds"], "flops_per_token": fpt,
+        "mfu": t["mfu_per_flop"] * tokens * fpt, "compile_s": t["compile_s"],
+        "temp_bytes": t["temp_bytes"], "peak_flops": t["peak_flops"], "peak_source": t["peak_source"],
+    }
+
+
 def bench_train(cfg: RunConfig, repeats: int) -> Iterator[dict[str, Any]]:
-    tokens = cfg.train.batch_size * cfg.model.context_length
     for remat in (False, True):
         for dtype in ("float32", "bfloat16"):
-            run = _with(cfg, remat=remat, dtype=dtype)
-            t = time_train_step(run, repeats, with_peak=True)  # the peak measured beside each repeat
-            fpt = flops_per_token(run.model)
-            yield {
-                "mode": "train", "dtype": dtype, "remat": remat, "layers": run.model.n_layers,
-                "d_model": run.model.d_model, "batch": run.train.batch_size,
-                "context": run.model.context_length, "step_ms": t["seconds"] * 1e3,
-                "tokens_per_s": tokens / t["seconds"], "flops_per_token": fpt,
-                "mfu": t["mfu_per_flop"] * tokens * fpt, "compile_s": t["compile_s"],
-                "temp_bytes": t["temp_bytes"], "peak_flops": t["peak_flops"], "peak_source": t["peak_source"],
-            }
+            yield train_record(_with(cfg, remat=remat, dtype=dtype), repeats)
 
 
 def bench_forward(cfg: RunConfig, repeats: int, lengths: tuple[int, ...] = FORWARD_LENGTHS) -> Iterator[dict[str, Any]]:

@@ -135,12 +135,30 @@ class CausalSelfAttention(nn.Module):
             out_BTHD = blocked_causal_attention(
                 q_BTHD, k_BTKD, v_BTKD, tile=REMAT_TILE if cfg.remat else None)
         elif kv is None:
-            out_BTHD = jax.nn.dot_product_attention(q_BTHD, k_BTKD, v_BTKD, is_causal=True)
+            out_BTHD = accelerator_causal_attention(q_BTHD, k_BTKD, v_BTKD)
         else:
             out_BTHD = cached_attention(q_BTHD, kv, (k_BTKD, v_BTKD), index)
         kv = None if index is None else (k_BTKD, v_BTKD)
         out = dense(cfg, cfg.d_model, "out")(out_BTHD.reshape(B, T, H * D))
         return nn.Dropout(cfg.dropout)(out, deterministic=self.deterministic), kv
+
+
+def accelerator_causal_attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array) -> jax.Array:
+    """The training attention on GPU and TPU: cuDNN's fused kernel on a GPU in bfloat16 or
+    float16, XLA's otherwise.
+
+    `jax.nn.dot_product_attention` runs XLA's implementation unless told otherwise (jax 0.10),
+    which writes the [B, H, T, T] scores and probabilities to memory, forward and backward.
+    cuDNN's flash attention keeps them on chip. It is asked for at trace time and refuses with
+    an error where it does not apply (no cuDNN or too old a one, a ROCm GPU, a head size or
+    layout it does not take); XLA's implementation is used then.
+    """
+    if jax.default_backend() == "gpu" and q_BTHD.dtype in (jnp.bfloat16, jnp.float16):
+        try:
+            return jax.nn.dot_product_attention(q_BTHD, k_BTKD, v_BTKD, is_causal=True, implementation="cudnn")
+        except (RuntimeError, ValueError, NotImplementedError):
+            pass
+    return jax.nn.dot_product_attention(q_BTHD, k_BTKD, v_BTKD, is_causal=True)
 
 
 REMAT_TILE = 128  # query and key tile of the tiled attention that `model.remat` uses on CPU

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Issue 8, target 7: GPT-2 124M (experiments/gpt2_124m.toml) on one accelerator: step time,
 # tokens/s and MFU against the chip's nominal bfloat16 peak (jaxgpt/bench.py, NOMINAL_BF16_PEAK),
-# with and without remat, bfloat16 and float32, plus compiled memory. One run of a few minutes.
+# with and without remat, bfloat16 and float32, plus compiled memory; then whether the model's
+# attention is cuDNN's fused kernel, and the bfloat16 step with XLA's attention instead
+# (scripts/gpu_attention_check.py). One run of a few minutes.
 # Usage: scripts/gpu_124m.sh [RECORDS.jsonl]   (needs jax for the accelerator, and jaxgpt's
 # dependencies; run from the repository root, installed or not)
 set -euo pipefail
@@ -13,3 +15,5 @@ if command -v nvidia-smi > /dev/null; then
 fi
 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} python3 -m jaxgpt bench train \
   --config experiments/gpt2_124m.toml --repeats "${REPEATS:-5}" "${@:2}" | tee "$records"
+PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} python3 scripts/gpu_attention_check.py \
+  --config experiments/gpt2_124m.toml --repeats "${REPEATS:-5}" | tee -a "$records"

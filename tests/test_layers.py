@@ -5,7 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxgpt.layers import blocked_causal_attention, flat_dot_general, gelu_tanh
+from jaxgpt import layers
+from jaxgpt.layers import accelerator_causal_attention, blocked_causal_attention, flat_dot_general, gelu_tanh
 
 
 def test_gelu_tanh_matches_jax_gelu_in_value_and_gradient():
@@ -89,3 +90,57 @@ def test_tiled_attention_gradient_needs_no_square_of_scores():
 
     blocked, tiled = temp_bytes(None), temp_bytes(64)
     assert blocked > 4e6 and tiled < blocked / 4, (blocked, tiled)
+
+
+class _RecordingAttention:
+    """Stands in for `jax.nn.dot_product_attention`: records each call's `implementation` and
+    answers a cuDNN request with `cudnn_answer` (raised when it is an exception)."""
+
+    def __init__(self, cudnn_answer):
+        self.library, self.cudnn_answer, self.asked = jax.nn.dot_product_attention, cudnn_answer, []
+
+    def __call__(self, q, k, v, *, is_causal, implementation=None):
+        assert is_causal
+        self.asked.append(implementation)
+        if implementation != "cudnn":
+            return self.library(q, k, v, is_causal=True)
+        if isinstance(self.cudnn_answer, Exception):
+            raise self.cudnn_answer
+        return self.cudnn_answer
+
+
+@pytest.mark.parametrize("dtype, cudnn_answer, asked", [
+    (jnp.bfloat16, "fused", ["cudnn"]),  # cuDNN applies: its result, nothing else
+    (jnp.bfloat16, RuntimeError("cuDNN is not detected."), ["cudnn", None]),  # refused: XLA's
+    (jnp.float16, ValueError("head size"), ["cudnn", None]),
+    (jnp.float32, "fused", [None]),  # cuDNN's flash kernel has no float32: not asked
+])
+def test_gpu_attention_asks_cudnn_in_half_precision_and_falls_back_to_xla(monkeypatch, dtype, cudnn_answer, asked):
+    q, k, v = _qkv(2, 16, 4, 2, 8, dtype)
+    recorder = _RecordingAttention(cudnn_answer)
+    monkeypatch.setattr(jax.nn, "dot_product_attention", recorder)
+    monkeypatch.setattr(layers.jax, "default_backend", lambda: "gpu")
+    out = accelerator_causal_attention(q, k, v)
+    assert recorder.asked == asked
+    if asked[-1] == "cudnn":
+        assert out == cudnn_answer
+    else:
+        np.testing.assert_array_equal(out, recorder.library(q, k, v, is_causal=True))
+
+
+def test_cpu_and_tpu_attention_never_ask_cudnn(monkeypatch):
+    q, k, v = _qkv(2, 16, 4, 2, 8, jnp.bfloat16)
+    recorder = _RecordingAttention(RuntimeError("must not be asked"))
+    monkeypatch.setattr(jax.nn, "dot_product_attention", recorder)
+    for backend in ("cpu", "tpu"):
+        monkeypatch.setattr(layers.jax, "default_backend", lambda: backend)
+        accelerator_causal_attention(q, k, v)
+    assert recorder.asked == [None, None]
+
+
+def test_gpu_attention_without_cudnn_falls_back_through_the_real_library(monkeypatch):
+    """The installed jax refuses cuDNN here (no GPU) with an error the fallback catches."""
+    q, k, v = _qkv(2, 16, 4, 2, 8, jnp.bfloat16)
+    expected = _library_attention(q, k, v)
+    monkeypatch.setattr(layers.jax, "default_backend", lambda: "gpu")
+    np.testing.assert_array_equal(accelerator_causal_attention(q, k, v), expected)
