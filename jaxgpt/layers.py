@@ -105,11 +105,14 @@ class CausalSelfAttention(nn.Module):
     """Multi-head causal attention with grouped KV heads and an optional KV cache.
 
     The query heads of one group are consecutive (head h reads KV head h // (H // K)), as Hugging
-    Face's Llama lays them out, so imported weights need no permutation.
+    Face's Llama lays them out, so imported weights need no permutation. `train`: the forward
+    pass of a train step, which will be differentiated; it picks the float32 CPU attention's
+    query blocks (`causal_query_blocks`), never the values.
     """
 
     cfg: ModelConfig
     deterministic: bool = True
+    train: bool = False
 
     @nn.compact
     def __call__(
@@ -132,8 +135,8 @@ class CausalSelfAttention(nn.Module):
         if kv is None and bf16_on_cpu(cfg) and not (cfg.remat and T > REMAT_TILE):
             out_BTHD = bf16_causal_attention(q_BTHD, k_BTKD, v_BTKD, causal_query_blocks(T))
         elif kv is None and jax.default_backend() == "cpu":
-            out_BTHD = blocked_causal_attention(
-                q_BTHD, k_BTKD, v_BTKD, tile=REMAT_TILE if cfg.remat else None)
+            out_BTHD = blocked_causal_attention(q_BTHD, k_BTKD, v_BTKD, tile=REMAT_TILE if cfg.remat else None,
+                                                blocks=causal_query_blocks(T, None if self.train else B * H))
         elif kv is None:
             out_BTHD = accelerator_causal_attention(q_BTHD, k_BTKD, v_BTKD)
         else:
@@ -164,18 +167,33 @@ def accelerator_causal_attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: j
 REMAT_TILE = 128  # query and key tile of the tiled attention that `model.remat` uses on CPU
 
 
-def causal_query_blocks(T: int) -> int:
-    """How many query blocks `blocked_causal_attention` splits T into: 4, 2 or 1, blocks >= 32."""
-    return next(n for n in (4, 2, 1) if T % n == 0 and T // n >= 32 or n == 1)
+FORWARD_BLOCK_BYTES = 2**21  # the largest query block of float32 scores a forward pass alone computes
+
+
+def causal_query_blocks(T: int, forward_rows: int | None = None) -> int:
+    """How many equal query blocks the CPU attention splits T into, each of >= 32 queries.
+
+    A train step's (and the bfloat16 attention's): 4, 2 or 1; more blocks made its backward
+    pass slower (scripts/perf_notes.md 10, item 4). A float32 forward pass alone, whose scores
+    hold `forward_rows` (B * H) values per query and key: more blocks, up to 32, until one
+    block's scores fit in `FORWARD_BLOCK_BYTES`; at batch one and 2,048 tokens that halves the
+    forward pass's time (perf_notes 17). Smaller blocks also skip more of the masked triangle.
+    """
+    n = next(n for n in (4, 2, 1) if T % n == 0 and T // n >= 32 or n == 1)
+    if forward_rows is None:
+        return n
+    counts = [m for m in range(n, max(n, min(32, T // 32)) + 1) if T % m == 0]
+    return next((m for m in counts if forward_rows * (T // m) * T * 4 <= FORWARD_BLOCK_BYTES), counts[-1])
 
 
 def blocked_causal_attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array,
-                             tile: int | None = None) -> jax.Array:
+                             tile: int | None = None, blocks: int | None = None) -> jax.Array:
     """Causal attention that skips most of the masked upper triangle (the CPU path).
 
     Equal to `jax.nn.dot_product_attention(q, k, v, is_causal=True)` up to float rounding. The
-    queries are split into n blocks and block i reads only keys [0, (i + 1) T / n), so with n = 4
-    the scores, softmax and both attention matmuls do 5/8 of the full square's work, forward and
+    queries are split into n blocks (`blocks`, a divisor of T; by default a train step's
+    `causal_query_blocks`) and block i reads only keys [0, (i + 1) T / n), so with n = 4 the
+    scores, softmax and both attention matmuls do 5/8 of the full square's work, forward and
     backward. Scores and softmax in float32; grouped KV heads are read in place (no repeat).
 
     `tile` (`model.remat` passes `REMAT_TILE`): when T spans more than one tile,
@@ -187,7 +205,9 @@ def blocked_causal_attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.A
     q_BTKGD = (q_BTHD * jnp.asarray(D**-0.5, q_BTHD.dtype)).reshape(B, T, K, H // K, D)
     if tile and T > tile:
         return tiled_causal_attention(q_BTKGD, k_BTKD, v_BTKD, tile).reshape(B, T, H, D)
-    n = causal_query_blocks(T)
+    n = blocks or causal_query_blocks(T)
+    if T % n:
+        raise ValueError(f"{n} query blocks do not divide {T} positions")
     size = T // n
     outs = []
     for i in range(n):
@@ -405,6 +425,7 @@ class TransformerBlock(nn.Module):
 
     cfg: ModelConfig
     deterministic: bool = True
+    train: bool = False  # a train step's forward pass (`CausalSelfAttention.train`)
 
     @nn.compact
     def __call__(
@@ -413,7 +434,7 @@ class TransformerBlock(nn.Module):
         cfg = self.cfg
         chex.assert_rank(x_BTC, 3)
         chex.assert_axis_dimension(x_BTC, 2, cfg.d_model)
-        attention = CausalSelfAttention(cfg, self.deterministic, name="attention")
+        attention = CausalSelfAttention(cfg, self.deterministic, self.train, name="attention")
         feed_forward = FeedForward(cfg, self.deterministic, name="feed_forward")
         attention_norm = make_norm(cfg, "attention_norm")
         feed_forward_norm = make_norm(cfg, "feed_forward_norm")

@@ -116,6 +116,7 @@ class UntiedHead(nn.Module):
 class Decoder(nn.Module):
     cfg: ModelConfig
     deterministic: bool = True
+    train: bool = False  # a train step's forward pass (`layers.CausalSelfAttention.train`)
 
     @nn.compact
     def __call__(
@@ -179,12 +180,13 @@ class Decoder(nn.Module):
                 split_rngs={"params": True, "dropout": True},
                 in_axes=(nn.broadcast, 0, nn.broadcast),
                 length=cfg.n_layers,
-            )(cfg, self.deterministic, name="blocks")
+            )(cfg, self.deterministic, self.train, name="blocks")
             return stack(x_BTC, rope, kv, index)
         new_k, new_v = [], []
         for i in range(cfg.n_layers):
             layer_kv = None if kv is None else (kv[0][i], kv[1][i])
-            x_BTC, layer_kv = block_cls(cfg, self.deterministic, name=f"block_{i}")(x_BTC, rope, layer_kv, index)
+            x_BTC, layer_kv = block_cls(cfg, self.deterministic, self.train, name=f"block_{i}")(
+                x_BTC, rope, layer_kv, index)
             if layer_kv is not None:
                 new_k.append(layer_kv[0])
                 new_v.append(layer_kv[1])
@@ -251,7 +253,12 @@ def forward(
     train: bool = False,
     rng: jax.Array | None = None,
 ) -> jax.Array:
-    """Logits [B, T, V] in float32, or [1 + mtp_depth, B, T, V] with `all_depths`."""
+    """Logits [B, T, V] in float32, or [1 + mtp_depth, B, T, V] with `all_depths`.
+
+    `train`: a train step's forward pass. Dropout is active (with `model.dropout` > 0, drawn from
+    `rng`), and the CPU attention is laid out for the backward pass that follows; the values do
+    not depend on that layout beyond float rounding.
+    """
     token_ids = check_token_ids(cfg, token_ids)
     if cfg.position == "learned" and token_ids.shape[1] > cfg.context_length:
         raise ValueError(
@@ -261,7 +268,7 @@ def forward(
     if dropout_active and rng is None:
         raise ValueError("forward(train=True) with model.dropout > 0 needs an `rng` for dropout")
     rngs = {"dropout": rng} if dropout_active else {}
-    logits, _ = Decoder(cfg, deterministic=not dropout_active).apply(
+    logits, _ = Decoder(cfg, deterministic=not dropout_active, train=train).apply(
         {"params": params}, token_ids, all_depths=all_depths, rngs=rngs
     )
     return logits

@@ -45,7 +45,7 @@ def _attention_replaced():
         raise SystemExit("step-no-attention replaces the CPU attention path; run it on the CPU")
     real = layers.blocked_causal_attention
 
-    def stand_in(q_BTHD, k_BTKD, v_BTKD, tile=None):
+    def stand_in(q_BTHD, k_BTKD, v_BTKD, tile=None, blocks=None):
         return q_BTHD + jnp.repeat(k_BTKD + v_BTKD, q_BTHD.shape[2] // k_BTKD.shape[2], axis=2)
 
     layers.blocked_causal_attention = stand_in

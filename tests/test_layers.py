@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from jaxgpt import layers
-from jaxgpt.layers import accelerator_causal_attention, blocked_causal_attention, flat_dot_general, gelu_tanh
+from jaxgpt.layers import (accelerator_causal_attention, blocked_causal_attention, causal_query_blocks,
+                           flat_dot_general, gelu_tanh)
 
 
 def test_gelu_tanh_matches_jax_gelu_in_value_and_gradient():
@@ -50,16 +51,17 @@ def _library_attention(q, k, v):
     return jax.nn.dot_product_attention(q, k, v, is_causal=True)
 
 
-@pytest.mark.parametrize("T, H, K, tile", [
-    (64, 4, 2, 16),   # four tiles a side, two query heads per KV head
-    (40, 2, 1, 16),   # T not a multiple of the tile: the last tile is padded; one KV head
-    (64, 2, 2, None),  # the query blocks without tiles
-    (16, 2, 2, 16),   # one tile: the query blocks too
+@pytest.mark.parametrize("T, H, K, tile, blocks", [
+    (64, 4, 2, 16, None),   # four tiles a side, two query heads per KV head
+    (40, 2, 1, 16, None),   # T not a multiple of the tile: the last tile is padded; one KV head
+    (64, 2, 2, None, None),  # the query blocks without tiles: a train step's two
+    (64, 2, 2, None, 8),  # eight blocks of eight queries
+    (16, 2, 2, 16, None),   # one tile: the query blocks too
 ])
-def test_causal_attention_matches_library_attention_in_value_and_gradient(T, H, K, tile):
+def test_causal_attention_matches_library_attention_in_value_and_gradient(T, H, K, tile, blocks):
     q, k, v = _qkv(2, T, H, K, 8)
     w = jax.random.normal(jax.random.key(3), q.shape)  # a cotangent that differs per position
-    ours = lambda q, k, v: blocked_causal_attention(q, k, v, tile=tile)
+    ours = lambda q, k, v: blocked_causal_attention(q, k, v, tile=tile, blocks=blocks)
     np.testing.assert_allclose(jax.jit(ours)(q, k, v), _library_attention(q, k, v), rtol=1e-5, atol=1e-5)
     grad = lambda f: jax.jit(jax.grad(lambda *qkv: jnp.sum(f(*qkv) * w), argnums=(0, 1, 2)))
     grads, expected = grad(ours)(q, k, v), grad(_library_attention)(q, k, v)
@@ -144,3 +146,19 @@ def test_gpu_attention_without_cudnn_falls_back_through_the_real_library(monkeyp
     expected = _library_attention(q, k, v)
     monkeypatch.setattr(layers.jax, "default_backend", lambda: "gpu")
     np.testing.assert_array_equal(accelerator_causal_attention(q, k, v), expected)
+
+
+def test_query_blocks_of_a_train_step_and_of_a_forward_pass():
+    # A train step: 4, 2 or 1 equal blocks of >= 32 queries.
+    assert [causal_query_blocks(T) for T in (16, 64, 100, 128, 1024, 97)] == [1, 2, 2, 4, 4, 1]
+    # A forward pass alone: from there, more equal blocks of >= 32 queries, up to 32, until one
+    # block's float32 scores (rows x queries x T x 4 bytes) fit in 2 MB.
+    cases = {(64, 48): 2, (128, 128): 4, (256, 4): 4, (512, 4): 4, (1024, 4): 8, (2048, 4): 32,
+             (900, 4): 9, (1024, 32): 32, (4096, 1): 32, (97, 4): 1}
+    assert {case: causal_query_blocks(*case) for case in cases} == cases
+
+
+def test_uneven_query_blocks_are_refused():
+    q, k, v = _qkv(1, 64, 2, 2, 8)
+    with pytest.raises(ValueError, match="3 query blocks do not divide 64"):
+        blocked_causal_attention(q, k, v, blocks=3)

@@ -6,6 +6,7 @@ import itertools
 import math
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -383,3 +384,25 @@ def test_cpu_model_routes_its_tied_head_through_that_vjp():
 
     assert barriers(dataclasses.replace(TINY, tie_embeddings=True)) == 1
     assert barriers(dataclasses.replace(TINY, tie_embeddings=False)) == 0
+
+
+def _score_matmuls(jaxpr) -> int:
+    """The CPU attention's score and output einsums (rank-5 operands) in a jaxpr and its sub-jaxprs."""
+    count = 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general" and max(v.aval.ndim for v in eqn.invars) == 5:
+            count += 1
+        count += sum(_score_matmuls(sub) for sub in jax.extend.core.jaxprs_in_params(eqn.params))
+    return count
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the query blocks are the CPU attention's")
+def test_forward_alone_takes_finer_attention_blocks_than_a_train_step_and_equal_logits():
+    cfg = dataclasses.replace(TINY, context_length=512)
+    params = init_params(cfg, jax.random.key(0))
+    tokens = random_tokens(cfg, 8, 512)  # 8 x 4 rows of scores a query: 16 blocks fit 2 MB each
+    passes = {train: functools.partial(forward, cfg=cfg, token_ids=tokens, train=train) for train in (False, True)}
+    # One scanned block body: two einsums (scores, then probabilities x values) per query block.
+    assert _score_matmuls(jax.make_jaxpr(passes[False])(params).jaxpr) == 2 * 16
+    assert _score_matmuls(jax.make_jaxpr(passes[True])(params).jaxpr) == 2 * 4
+    np.testing.assert_allclose(passes[False](params), passes[True](params), rtol=1e-5, atol=1e-5)
