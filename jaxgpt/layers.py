@@ -107,7 +107,7 @@ class CausalSelfAttention(nn.Module):
     The query heads of one group are consecutive (head h reads KV head h // (H // K)), as Hugging
     Face's Llama lays them out, so imported weights need no permutation. `train`: the forward
     pass of a train step, which will be differentiated; it picks the float32 CPU attention's
-    query blocks (`causal_query_blocks`), never the values.
+    query blocks (`causal_query_blocks`) or tiles (`TILED_TRAIN_CONTEXT`), never the values.
     """
 
     cfg: ModelConfig
@@ -135,7 +135,8 @@ class CausalSelfAttention(nn.Module):
         if kv is None and bf16_on_cpu(cfg) and not (cfg.remat and T > REMAT_TILE):
             out_BTHD = bf16_causal_attention(q_BTHD, k_BTKD, v_BTKD, causal_query_blocks(T))
         elif kv is None and jax.default_backend() == "cpu":
-            out_BTHD = blocked_causal_attention(q_BTHD, k_BTKD, v_BTKD, tile=REMAT_TILE if cfg.remat else None,
+            tiled = cfg.remat or (self.train and T >= TILED_TRAIN_CONTEXT)
+            out_BTHD = blocked_causal_attention(q_BTHD, k_BTKD, v_BTKD, tile=REMAT_TILE if tiled else None,
                                                 blocks=causal_query_blocks(T, None if self.train else B * H))
         elif kv is None:
             out_BTHD = accelerator_causal_attention(q_BTHD, k_BTKD, v_BTKD)
@@ -165,6 +166,9 @@ def accelerator_causal_attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: j
 
 
 REMAT_TILE = 128  # query and key tile of the tiled attention that `model.remat` uses on CPU
+# From this context on, a float32 train step on CPU runs the tiled attention without remat too:
+# faster and smaller there (0.63-0.87x the step, perf_notes 18), slower at 512 (1.08x).
+TILED_TRAIN_CONTEXT = 1024
 
 
 FORWARD_BLOCK_BYTES = 2**21  # the largest query block of float32 scores a forward pass alone computes
@@ -196,9 +200,10 @@ def blocked_causal_attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.A
     scores, softmax and both attention matmuls do 5/8 of the full square's work, forward and
     backward. Scores and softmax in float32; grouped KV heads are read in place (no repeat).
 
-    `tile` (`model.remat` passes `REMAT_TILE`): when T spans more than one tile,
-    `tiled_causal_attention` holds one [tile, tile] block of scores at a time, forward and
-    backward, instead of the whole [T, T] triangle. (Within one tile the blocks above skip more.)
+    `tile` (`REMAT_TILE`, under `model.remat` and for a train step's long contexts): when T
+    spans more than one tile, `tiled_causal_attention` holds one [tile, tile] block of scores at
+    a time, forward and backward, instead of the whole [T, T] triangle. (Within one tile the
+    blocks above skip more.)
     """
     B, T, H, D = q_BTHD.shape
     K = k_BTKD.shape[2]

@@ -13,7 +13,7 @@ import optax
 import pytest
 
 from jaxgpt.config import ModelConfig
-from jaxgpt.layers import FeedForward, LayerNorm, RMSNorm
+from jaxgpt.layers import REMAT_TILE, TILED_TRAIN_CONTEXT, FeedForward, LayerNorm, RMSNorm
 from jaxgpt.model import (count_params, forward, forward_cached, init_cache, init_params,
                           stack_blocks, unstack_blocks)
 
@@ -386,14 +386,16 @@ def test_cpu_model_routes_its_tied_head_through_that_vjp():
     assert barriers(dataclasses.replace(TINY, tie_embeddings=False)) == 0
 
 
-def _score_matmuls(jaxpr) -> int:
-    """The CPU attention's score and output einsums (rank-5 operands) in a jaxpr and its sub-jaxprs."""
-    count = 0
+def _score_matmuls(jaxpr) -> list:
+    """The CPU attention's einsums (rank-5 operands) in a jaxpr and its sub-jaxprs: the number of
+    values each one writes."""
+    found = []
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "dot_general" and max(v.aval.ndim for v in eqn.invars) == 5:
-            count += 1
-        count += sum(_score_matmuls(sub) for sub in jax.extend.core.jaxprs_in_params(eqn.params))
-    return count
+            found.append(math.prod(eqn.outvars[0].aval.shape))
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            found += _score_matmuls(sub)
+    return found
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the query blocks are the CPU attention's")
@@ -403,6 +405,19 @@ def test_forward_alone_takes_finer_attention_blocks_than_a_train_step_and_equal_
     tokens = random_tokens(cfg, 8, 512)  # 8 x 4 rows of scores a query: 16 blocks fit 2 MB each
     passes = {train: functools.partial(forward, cfg=cfg, token_ids=tokens, train=train) for train in (False, True)}
     # One scanned block body: two einsums (scores, then probabilities x values) per query block.
-    assert _score_matmuls(jax.make_jaxpr(passes[False])(params).jaxpr) == 2 * 16
-    assert _score_matmuls(jax.make_jaxpr(passes[True])(params).jaxpr) == 2 * 4
+    assert len(_score_matmuls(jax.make_jaxpr(passes[False])(params).jaxpr)) == 2 * 16
+    assert len(_score_matmuls(jax.make_jaxpr(passes[True])(params).jaxpr)) == 2 * 4
     np.testing.assert_allclose(passes[False](params), passes[True](params), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the tiles are the CPU attention's")
+def test_a_long_context_train_step_attends_in_tiles_and_a_forward_pass_does_not():
+    T = TILED_TRAIN_CONTEXT
+    cfg = dataclasses.replace(TINY, context_length=T)
+    params = init_params(cfg, jax.random.key(0))
+    tokens = random_tokens(cfg, 1, T)
+    loss = lambda p, train: jnp.mean(forward(p, cfg, tokens, train=train) ** 2)
+    largest = lambda train: max(_score_matmuls(jax.make_jaxpr(jax.grad(loss), static_argnums=1)(params, train).jaxpr))
+    H = cfg.n_heads
+    assert largest(True) == H * REMAT_TILE * REMAT_TILE  # tiles, forward and backward
+    assert largest(False) == H * T // 8 * T  # query blocks that read every earlier key
