@@ -139,7 +139,7 @@ _bf16_matmul.defvjp(_bf16_matmul_fwd, _bf16_matmul_bwd)
 def bf16_causal_attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, blocks: int) -> jax.Array:
     """Causal attention with bfloat16 matmul operands (float32 in and out, softmax in float32).
 
-    The query blocks of `layers.blocked_causal_attention` (block i of `blocks` reads keys
+    The query blocks of `cpu_attention.blocked_causal_attention` (block i of `blocks` reads keys
     [0, (i + 1) T / blocks)), laid out head-major with the G query heads of a KV head stacked
     as rows (`_bf16_attention`).
     """

@@ -43,7 +43,7 @@ def main() -> None:
     args = parser.parse_args()
     if jax.default_backend() == "cpu":
         parser.error("needs a GPU or TPU: on a CPU the model runs its own attention "
-                     "(layers.blocked_causal_attention, matmul.bf16_causal_attention)")
+                     "(cpu_attention.blocked_causal_attention, matmul.bf16_causal_attention)")
     cfg = load_config(args.config, args.set)
     print(json.dumps({"mode": "attention", "backend": jax.default_backend(), "dtype": cfg.model.dtype,
                       "cudnn_attention": lowered_forward_uses_cudnn(cfg.model)}), flush=True)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from jaxgpt.config import ModelConfig
-from jaxgpt.layers import causal_query_blocks
+from jaxgpt.cpu_attention import causal_query_blocks
 from jaxgpt.matmul import bf16_causal_attention, bf16_matmul, cpu_bf16_dot_general, transposed_copy
 from jaxgpt.model import forward, init_params
 

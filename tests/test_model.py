@@ -13,7 +13,8 @@ import optax
 import pytest
 
 from jaxgpt.config import ModelConfig
-from jaxgpt.layers import REMAT_TILE, TILED_TRAIN_CONTEXT, FeedForward, LayerNorm, RMSNorm
+from jaxgpt.cpu_attention import REMAT_TILE, TILED_TRAIN_CONTEXT
+from jaxgpt.layers import FeedForward, LayerNorm, RMSNorm
 from jaxgpt.model import (count_params, forward, forward_cached, init_cache, init_params,
                           stack_blocks, unstack_blocks)
 
