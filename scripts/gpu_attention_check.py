@@ -51,5 +51,6 @@ def main() -> None:
     layers.accelerator_causal_attention = xla_attention  # what the model calls at trace time
     print(json.dumps({**train_record(cfg, args.repeats), "attention": "xla"}), flush=True)
 
+
 if __name__ == "__main__":
     main()
