@@ -15,12 +15,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-REMAT_TILE = 128  # query and key tile of the tiled attention that `model.remat` uses on CPU
-# From this context on, a float32 train step on CPU runs the tiled attention without remat too:
-# faster and smaller there (0.63-0.87x the step, perf_notes 18), slower at 512 (1.08x).
+# Query and key tile of the tiled attention: under `model.remat`, and for a float32 train step
+# from TILED_TRAIN_CONTEXT positions on, where it is faster and smaller without remat too
+# (0.63-0.87x the step, perf_notes 18; slower at 512 positions, 1.08x).
+REMAT_TILE = 128
 TILED_TRAIN_CONTEXT = 1024
-
-
 FORWARD_BLOCK_BYTES = 2**21  # the largest query block of float32 scores a forward pass alone computes
 
 

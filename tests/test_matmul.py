@@ -86,7 +86,8 @@ def _matmuls(jaxpr, found):
 
 
 def _gradient(cfg, params, tokens):
-    return jax.grad(lambda p: jnp.mean(forward(p, cfg, tokens) ** 2))
+    """The gradient as a train step takes it (`train=True` picks the attention's layout)."""
+    return jax.grad(lambda p: jnp.mean(forward(p, cfg, tokens, train=True) ** 2))
 
 
 @cpu_only
@@ -121,7 +122,7 @@ def test_cpu_remat_policy_keeps_the_bf16_matmuls_and_attention_inputs():
     tokens = jax.random.randint(jax.random.key(1), (B, T), 0, cfg.vocab_size)
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        jax.ad_checkpoint.print_saved_residuals(lambda p: jnp.mean(forward(p, cfg, tokens) ** 2), params)
+        jax.ad_checkpoint.print_saved_residuals(lambda p: jnp.mean(forward(p, cfg, tokens, train=True) ** 2), params)
     saved = printed.getvalue()
     stacked = re.findall(r"^u16\[([\d,]+)\] output of scan", saved, re.M)
     L, C, F, N = cfg.n_layers, cfg.d_model, cfg.hidden_size, B * T

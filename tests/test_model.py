@@ -188,7 +188,7 @@ def test_remat_changes_nothing_but_memory(overrides, length):
     cfg = dataclasses.replace(TINY, remat=True, **overrides)
     params = init_params(cfg, jax.random.key(0))
     tokens = random_tokens(cfg, 2, length)
-    grad = jax.jit(jax.value_and_grad(lambda p, c: forward(p, c, tokens).std()), static_argnums=1)
+    grad = jax.jit(jax.value_and_grad(lambda p, c: forward(p, c, tokens, train=True).std()), static_argnums=1)
     v_remat, g_remat = grad(params, cfg)
     v_plain, g_plain = grad(params, dataclasses.replace(cfg, remat=False))
     np.testing.assert_allclose(v_remat, v_plain, rtol=1e-6)
@@ -380,7 +380,7 @@ def test_cpu_model_routes_its_tied_head_through_that_vjp():
     def barriers(cfg):
         params = init_params(cfg, jax.random.key(0))
         tokens = random_tokens(cfg, 2, 8)
-        grad = jax.grad(lambda p: forward(p, cfg, tokens).mean())
+        grad = jax.grad(lambda p: forward(p, cfg, tokens, train=True).mean())
         return jax.jit(grad).lower(params).as_text().count("optimization_barrier")
 
     assert barriers(dataclasses.replace(TINY, tie_embeddings=True)) == 1
