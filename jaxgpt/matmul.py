@@ -1,6 +1,8 @@
-"""How the model's matmuls run: flat 2-D everywhere, and bfloat16 operands on the CPU.
+"""How the model's matmuls run: flat 2-D everywhere, and in the layouts XLA CPU runs fast.
 
-`flat_dot_general` is what every `nn.Dense` of the model calls on float32 (and on GPU/TPU).
+`flat_dot_general` is what every `nn.Dense` of the model calls on float32 (and on GPU/TPU); on
+the CPU backend its float32 matmul is `cpu_f32_matmul`, whose kernel gradient takes the faster
+of two layouts.
 `cpu_bf16_dot_general` replaces it when the compute dtype is bfloat16 on the CPU backend: XLA CPU
 has no bfloat16 vector arithmetic (it converts to float32 and back around every elementwise op),
 but on CPUs with AVX512-BF16 or AMX its matmul runs bfloat16 operands into a float32
@@ -41,15 +43,52 @@ def flat_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
     cotangent and fusing that transpose into the elementwise backward (GELU, residual adds): a
     strided loop several times slower than the matmul. With the batch axes flattened first, the
     kernel gradient is a plain [N, C]^T x [N, F] matmul and nothing is transposed. On GPU/TPU the
-    reshapes are free (leading axes merge).
+    reshapes are free (leading axes merge). A float32 matmul on the CPU is `cpu_f32_matmul`.
     """
-    if lhs.ndim > 2 and _is_flat_matmul(lhs, rhs, dimension_numbers):
-        out = jax.lax.dot_general(lhs.reshape(-1, lhs.shape[-1]), rhs, (((1,), (0,)), ((), ())),
-                                  precision=precision, preferred_element_type=preferred_element_type,
-                                  **kwargs)
-        return out.reshape(*lhs.shape[:-1], rhs.shape[-1])
-    return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
-                               preferred_element_type=preferred_element_type, **kwargs)
+    if not _is_flat_matmul(lhs, rhs, dimension_numbers):
+        return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
+                                   preferred_element_type=preferred_element_type, **kwargs)
+    x_NC = lhs.reshape(-1, lhs.shape[-1])
+    plain_f32 = (precision is None and not kwargs and lhs.dtype == rhs.dtype == jnp.float32
+                 and preferred_element_type in (None, jnp.float32))
+    if plain_f32 and jax.default_backend() == "cpu":
+        out = cpu_f32_matmul(x_NC, rhs)
+    else:
+        out = jax.lax.dot_general(x_NC, rhs, (((1,), (0,)), ((), ())), precision=precision,
+                                  preferred_element_type=preferred_element_type, **kwargs)
+    return out.reshape(*lhs.shape[:-1], rhs.shape[-1])
+
+
+@jax.custom_vjp
+def cpu_f32_matmul(x_NC: jax.Array, w_CF: jax.Array) -> jax.Array:
+    """x @ w in float32, whose kernel gradient x^T g runs in the layout XLA CPU runs fastest.
+
+    Autodiff contracts x [N, C] and g [N, F] over their leading axis, which XLA CPU runs at
+    ~100 GFLOP/s when C > F (the [512, 128] gradient of a feed-forward down-projection) and at
+    ~165 when C < F. Instead, as `bf16_matmul` does: for C <= F, a row-major transposed copy of
+    x times g (~185); for C > F, g^T x with the small [F, C] product transposed (~160)
+    (scripts/perf_notes.md, change 19). The CPU remat policy still sees the forward matmul as a
+    dot, and saves its output.
+    """
+    return jnp.dot(x_NC, w_CF)
+
+
+def _f32_matmul_fwd(x_NC, w_CF):
+    return jnp.dot(x_NC, w_CF), (x_NC, w_CF)
+
+
+def _f32_matmul_bwd(residuals, g_NF):
+    x_NC, w_CF = residuals
+    dx_NC = jax.lax.dot_general(g_NF, w_CF, (((1,), (1,)), ((), ())))
+    if _transpose_x(w_CF):
+        dw_CF = jnp.dot(transposed_copy(x_NC), g_NF)
+    else:  # (g^T x)^T; behind the barrier XLA cannot fold the transpose back into the matmul
+        g_x_FC = jax.lax.dot_general(g_NF, x_NC, (((0,), (0,)), ((), ())))
+        dw_CF = transposed_copy(jax.lax.optimization_barrier(g_x_FC))
+    return dx_NC, dw_CF
+
+
+cpu_f32_matmul.defvjp(_f32_matmul_fwd, _f32_matmul_bwd)
 
 
 def cpu_bf16_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,

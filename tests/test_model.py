@@ -376,15 +376,16 @@ def test_cpu_tied_head_gradient_equals_autodiff(dtype=jnp.float32, tol=1e-5):
 
 
 def test_cpu_model_routes_its_tied_head_through_that_vjp():
-    # Only the tied head's VJP puts an optimization barrier in the gradient (CPU, no model.remat).
+    # The tied head's VJP puts one optimization barrier in the gradient (CPU, no model.remat):
+    # one more than the untied head's plain einsum (the float32 projections hold the same ones).
     def barriers(cfg):
         params = init_params(cfg, jax.random.key(0))
         tokens = random_tokens(cfg, 2, 8)
         grad = jax.grad(lambda p: forward(p, cfg, tokens, train=True).mean())
         return jax.jit(grad).lower(params).as_text().count("optimization_barrier")
 
-    assert barriers(dataclasses.replace(TINY, tie_embeddings=True)) == 1
-    assert barriers(dataclasses.replace(TINY, tie_embeddings=False)) == 0
+    assert barriers(dataclasses.replace(TINY, tie_embeddings=True)) == barriers(
+        dataclasses.replace(TINY, tie_embeddings=False)) + 1
 
 
 def _score_matmuls(jaxpr) -> list:
