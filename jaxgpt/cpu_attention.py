@@ -15,8 +15,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-# Query and key tile of the tiled attention: under `model.remat`, and for a float32 train step
-# from TILED_TRAIN_CONTEXT positions on, where it is faster and smaller without remat too
+# Query and key tile of the tiled attention: under `model.remat` (in bfloat16 only from
+# TILED_TRAIN_CONTEXT positions on; perf_notes 20), and for a float32 train step from
+# TILED_TRAIN_CONTEXT positions on, where it is faster and smaller without remat too
 # (0.63-0.87x the step, perf_notes 18; slower at 512 positions, 1.08x).
 REMAT_TILE = 128
 TILED_TRAIN_CONTEXT = 1024

@@ -132,7 +132,7 @@ class CausalSelfAttention(nn.Module):
         if rope is not None:
             q_BTHD, k_BTKD = apply_rope(q_BTHD, rope), apply_rope(k_BTKD, rope)
 
-        if kv is None and bf16_on_cpu(cfg) and not (cfg.remat and T > REMAT_TILE):
+        if kv is None and bf16_on_cpu(cfg) and not (cfg.remat and T >= TILED_TRAIN_CONTEXT):
             out_BTHD = bf16_causal_attention(q_BTHD, k_BTKD, v_BTKD, causal_query_blocks(T))
         elif kv is None and jax.default_backend() == "cpu":
             tiled = cfg.remat or (self.train and T >= TILED_TRAIN_CONTEXT)

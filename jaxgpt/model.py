@@ -197,8 +197,9 @@ def _block_class(cfg: ModelConfig) -> type[nn.Module]:
     """The block, wrapped in `nn.remat` when its backward pass should recompute.
 
     `model.remat` recomputes the whole block; on CPU its attention then runs in tiles, so that no
-    backward holds a [T, T] square (`cpu_attention.REMAT_TILE`; within one tile, bfloat16 compute
-    keeps `matmul.bf16_causal_attention`, whose backward holds only q, k and v). Without it, a scanned
+    backward holds a [T, T] square (`cpu_attention.REMAT_TILE`). bfloat16 compute keeps
+    `matmul.bf16_causal_attention`, whose backward holds only q, k and v and one block's scores at
+    a time, below `cpu_attention.TILED_TRAIN_CONTEXT` positions (perf_notes 20). Without it, a scanned
     stack on CPU still saves only the matmul outputs (with bfloat16 compute, what
     `matmul.bf16_matmul` and `matmul.bf16_causal_attention` name) and recomputes the cheap
     elementwise work (norms, GELU, softmax) in the backward pass: the same matmuls, but about half

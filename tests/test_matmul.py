@@ -121,12 +121,14 @@ def _gradient(cfg, params, tokens):
 
 
 @cpu_only
-@pytest.mark.parametrize("tie_embeddings, remat", [(True, False), (False, False), (True, True)])
-def test_cpu_bf16_model_runs_every_matmul_in_a_native_bf16_form(tie_embeddings, remat):
-    # With remat too: a context within one remat tile needs no tiled (float32) attention.
-    cfg = dataclasses.replace(TINY, tie_embeddings=tie_embeddings, remat=remat)
+@pytest.mark.parametrize("tie_embeddings, remat, T", [(True, False, 16), (False, False, 16), (True, True, 16),
+                                                      (True, True, 160)])
+def test_cpu_bf16_model_runs_every_matmul_in_a_native_bf16_form(tie_embeddings, remat, T):
+    # With remat too, past one remat tile (REMAT_TILE, 128) and below TILED_TRAIN_CONTEXT:
+    # no tiled (float32) attention.
+    cfg = dataclasses.replace(TINY, tie_embeddings=tie_embeddings, remat=remat, context_length=T)
     params = init_params(cfg, jax.random.key(0))
-    tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, cfg.vocab_size)
+    tokens = jax.random.randint(jax.random.key(1), (2, T), 0, cfg.vocab_size)
     found = _matmuls(jax.make_jaxpr(_gradient(cfg, params, tokens))(params).jaxpr)
     row_major = ("bfloat16", 2, 2, "(((1,), (0,)), ((), ()))")
     # 4 projections a block (one scanned body forward, one backward: 1 + 2 matmuls each) and the

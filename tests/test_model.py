@@ -179,8 +179,9 @@ def test_scanned_and_unrolled_layouts_agree_and_jit_matches_eager():
 
 @pytest.mark.parametrize("overrides, length", [
     ({}, 8),
-    # bfloat16 on the CPU: within one tile, remat keeps the bfloat16 attention (jaxgpt.matmul).
+    # bfloat16 on the CPU: remat keeps the bfloat16 attention (jaxgpt.matmul), past one tile too.
     ({"dtype": "bfloat16"}, 8),
+    ({"dtype": "bfloat16", "context_length": 160}, 160),
     # Past REMAT_TILE (128): remat's tiled attention runs two tiles, the second padded; GQA, RoPE.
     ({"context_length": 160, "kv_heads": 2, "position": "rope"}, 160),
 ])
@@ -413,13 +414,19 @@ def test_forward_alone_takes_finer_attention_blocks_than_a_train_step_and_equal_
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the tiles are the CPU attention's")
-def test_a_long_context_train_step_attends_in_tiles_and_a_forward_pass_does_not():
+@pytest.mark.parametrize("overrides, forward_tiled", [
+    ({}, False),
+    # bfloat16 under remat: the bfloat16 attention's blocks only below TILED_TRAIN_CONTEXT
+    ({"dtype": "bfloat16", "remat": True}, True),
+])
+def test_a_long_context_train_step_attends_in_tiles_and_a_forward_pass_does_not(overrides, forward_tiled):
     T = TILED_TRAIN_CONTEXT
-    cfg = dataclasses.replace(TINY, context_length=T)
+    cfg = dataclasses.replace(TINY, context_length=T, **overrides)
     params = init_params(cfg, jax.random.key(0))
     tokens = random_tokens(cfg, 1, T)
     loss = lambda p, train: jnp.mean(forward(p, cfg, tokens, train=train) ** 2)
     largest = lambda train: max(_score_matmuls(jax.make_jaxpr(jax.grad(loss), static_argnums=1)(params, train).jaxpr))
     H = cfg.n_heads
     assert largest(True) == H * REMAT_TILE * REMAT_TILE  # tiles, forward and backward
-    assert largest(False) == H * T // 8 * T  # query blocks that read every earlier key
+    # query blocks that read every earlier key, unless remat tiles every pass
+    assert largest(False) == H * REMAT_TILE * REMAT_TILE if forward_tiled else H * T // 8 * T
