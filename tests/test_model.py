@@ -429,4 +429,4 @@ def test_a_long_context_train_step_attends_in_tiles_and_a_forward_pass_does_not(
     H = cfg.n_heads
     assert largest(True) == H * REMAT_TILE * REMAT_TILE  # tiles, forward and backward
     # query blocks that read every earlier key, unless remat tiles every pass
-    assert largest(False) == H * REMAT_TILE * REMAT_TILE if forward_tiled else H * T // 8 * T
+    assert largest(False) == (H * REMAT_TILE * REMAT_TILE if forward_tiled else H * T // 8 * T)
