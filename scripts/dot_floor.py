@@ -7,9 +7,9 @@ Every `dot_general` of the traced train step (forward, recomputation and backwar
 layer scan counted once per layer) is timed alone at its own shape and layout: in XLA (one compiled
 loop of `--reps` dots, so no dispatch cost) and, where torch is installed, with `torch.matmul` on
 the same operands rearranged as [batch, M, K] x [batch, K, N] (the rearrangement is not timed).
-The table lists each shape's count, GFLOP/s on both sides and its share of the step; the last
-line compares the sum, the floor no fusion or layout change can go below while XLA runs these
-dots at these rates, with the whole step timed in the same process.
+The table (stderr) lists each shape's count, GFLOP/s on both sides and XLA's milliseconds a
+step; the JSON line (stdout) holds the sums, the floor no fusion or layout change can go below
+while XLA runs these dots at these rates, beside the whole step timed in the same process.
 """
 
 from __future__ import annotations
@@ -18,16 +18,14 @@ import argparse
 import collections
 import json
 import math
-import statistics
 import sys
-import time
 from typing import Any
 
 import jax
 import jax.extend
 import jax.numpy as jnp
-import numpy as np
 
+from jaxgpt.bench import median_time
 from jaxgpt.config import load_config
 from jaxgpt.step import compile_steps, init_state, window_length
 
@@ -68,13 +66,7 @@ def time_xla(key: DotKey, reps: int, repeats: int) -> float:
             return lhs.at[(0,) * lhs.ndim].add(out.reshape(-1)[0].astype(lhs.dtype) * 1e-30)
         return jax.lax.fori_loop(0, reps, body, lhs)
 
-    jax.block_until_ready(loop(lhs, rhs))
-    runs = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(loop(lhs, rhs))
-        runs.append((time.perf_counter() - start) / reps * 1e3)
-    return statistics.median(runs)
+    return median_time(lambda: loop(lhs, rhs), repeats, min_repeat_s=0.0) / reps * 1e3
 
 
 def as_batched_matmul(key: DotKey) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, int, int, int]]:
@@ -97,14 +89,12 @@ def time_torch(key: DotKey, reps: int, repeats: int) -> float | None:
     lhs = torch.randn(key[0]).permute(lhs_perm).reshape(b, m, k).contiguous().to(dtype)
     rhs = torch.randn(key[1]).permute(rhs_perm).reshape(b, k, n).contiguous().to(dtype)
     out = torch.empty(b, m, n, dtype=dtype)
-    torch.matmul(lhs, rhs, out=out)
-    runs = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+
+    def loop():
         for _ in range(reps):
             torch.matmul(lhs, rhs, out=out)
-        runs.append((time.perf_counter() - start) / reps * 1e3)
-    return statistics.median(runs)
+
+    return median_time(loop, repeats, min_repeat_s=0.0) / reps * 1e3
 
 
 def step_ms(cfg, repeats: int) -> tuple[float, Any]:
@@ -113,16 +103,13 @@ def step_ms(cfg, repeats: int) -> tuple[float, Any]:
                                cfg.model.vocab_size, jnp.int32)
     step = compile_steps(cfg)[0]
     jaxpr = jax.make_jaxpr(step)(state, batch)
-    state, metrics = step(state, batch)
-    jax.block_until_ready(metrics)
-    runs = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(5):
-            state, metrics = step(state, batch)
-        jax.block_until_ready(metrics)
-        runs.append((time.perf_counter() - start) / 5 * 1e3)
-    return statistics.median(runs), jaxpr
+
+    def one_step():
+        nonlocal state
+        state, metrics = step(state, batch)
+        return metrics
+
+    return median_time(one_step, repeats) * 1e3, jaxpr
 
 
 def main(argv: list[str] | None = None) -> None:
