@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 8, target 7: GPT-2 124M (experiments/gpt2_124m.toml) on one accelerator: step time,
+# GPT-2 124M (experiments/gpt2_124m.toml) on one accelerator: step time,
 # tokens/s and MFU against the chip's nominal bfloat16 peak (jaxgpt/bench.py, NOMINAL_BF16_PEAK),
 # with and without remat, bfloat16 and float32, plus compiled memory; then whether the model's
 # attention is cuDNN's fused kernel, and the bfloat16 step with XLA's attention instead

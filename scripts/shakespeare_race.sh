@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Issue 8's engine race and speedrun, timed side by side: the plain-PyTorch nanoGPT run, then
+# The engine race and speedrun, timed side by side: the plain-PyTorch nanoGPT run, then
 # jaxgpt on nanoGPT's settings (experiments/shakespeare_char.toml), the same with bfloat16 compute
-# (matmul operands only, on a CPU: jaxgpt/matmul.py; nanoGPT runs float32 there), then the speedrun config
+# (matmul operands only, on a CPU: jaxgpt/kernels/cpu_matmul.py; nanoGPT runs float32 there), then the speedrun config
 # (experiments/shakespeare_speedrun.toml) once per seed, one after the other on this machine.
-# Each line: the whole command's wall time, its final val loss, and its ratio to PyTorch's.
+# Each line: the whole command's wall time, its final val loss, and its ratio to PyTorch's
+# (figures: docs/performance.md).
 # Usage: scripts/shakespeare_race.sh TINYSHAKESPEARE.txt TORCH_SCRIPT.py [SEEDS (default "0 1 2")]
 # (TORCH_SCRIPT prints val_loss=... and needs `pip install torch==2.13.0`.)
 set -euo pipefail
