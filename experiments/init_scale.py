@@ -31,7 +31,8 @@ import numpy as np
 
 from jaxgpt.config import load_config
 from jaxgpt.data import get_batch
-from jaxgpt.step import compile_steps, init_state, window_length
+from jaxgpt.data import window_length
+from jaxgpt.step import compile_steps, init_state
 
 STDS = (1.0, 0.02)
 TOKEN_SEED = 1234

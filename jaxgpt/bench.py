@@ -112,7 +112,8 @@ def time_train_step(cfg: RunConfig, repeats: int, with_peak: bool = False) -> di
     the peak it is divided by see the same machine load; `mfu_per_flop` is then the median of
     the per-repeat (1 / step seconds) / peak (multiply by FLOPs per step for MFU).
     """
-    from jaxgpt.step import compile_steps, init_state, window_length
+    from jaxgpt.data import window_length
+    from jaxgpt.step import compile_steps, init_state
 
     state = init_state(cfg, jax.random.key(0))
     batch = _tokens(cfg.model, (cfg.train.batch_size, window_length(cfg.model)))
@@ -286,7 +287,7 @@ def bench_speculative(run_dir: str, repeats: int, batches: tuple[int, ...] = (1,
     """
     from jaxgpt.checkpoint import load_run, load_run_config
     from jaxgpt.generate import generate
-    from jaxgpt.train import prepare_data
+    from jaxgpt.data import prepare_data
 
     model, params = load_run(run_dir)
     if model.mtp_depth < 1:

@@ -12,6 +12,7 @@ from pathlib import Path
 from collections.abc import Callable, Mapping, Sequence
 
 from jaxgpt.config import load_config
+from jaxgpt.rundir import RunDir
 
 EXPECTED_ERRORS = (ValueError, ImportError, FileNotFoundError, NotADirectoryError, PermissionError)
 
@@ -70,7 +71,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, overrides, base=base)
     summary = train(cfg, out_dir=args.out, resume=args.resume, force=args.force, progress=not args.no_progress,
                     init_from=hf_dir)
-    samples = [r for r in read_metrics(Path(args.out) / "metrics.jsonl") if r["type"] == "sample"]
+    samples = [r for r in read_metrics(RunDir(args.out).metrics) if r["type"] == "sample"]
     if samples:
         print(f"--- sample at step {samples[-1]['step']} ---\n{samples[-1]['text']}\n---")
     print(json.dumps(summary))
@@ -90,7 +91,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     from jaxgpt.checkpoint import load_run, load_run_config
     from jaxgpt.step import eval_step
-    from jaxgpt.train import evaluate, prepare_data
+    from jaxgpt.data import evaluate, prepare_data
 
     cfg = load_run_config(args.run)
     if args.data is not None:
@@ -111,7 +112,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from jaxgpt.generate import generate_tokens
     from jaxgpt.tokenizer import Tokenizer
 
-    tokenizer = Tokenizer.load(Path(args.run) / "tokenizer.json")
+    tokenizer = Tokenizer.load(RunDir(args.run).tokenizer)
     model, params = load_run(args.run)
     prompt = list(tokenizer.encode(args.prompt)) if args.prompt else list(tokenizer.encode("\n")) or [0]
     stop_token = None
@@ -173,7 +174,7 @@ def cmd_export_hf(args: argparse.Namespace) -> int:
 
     model, params = load_run(args.run)
     out = export_hf(model, params, args.out)
-    tokenizer = Path(args.run) / "tokenizer.json"
+    tokenizer = RunDir(args.run).tokenizer
     if tokenizer.is_file():
         import shutil
 
@@ -282,9 +283,11 @@ def hugepage_malloc_env(environ: Mapping[str, str]) -> dict[str, str] | None:
 
     XLA on CPU allocates a step's temporary buffer afresh every step (100 MB at Day 1, batch 32);
     glibc serves a block that large with a new mmap, and the step then takes a page fault per
-    4 KB page, 25,000 a step. With huge pages it takes a few dozen, and the step is 5-13 %
-    shorter (scripts/perf_notes.md change 9). glibc reads GLIBC_TUNABLES only at process start.
-    JAXGPT_HUGEPAGE_MALLOC=0 turns this off.
+    4 KB page, 25,000 a step. With huge pages it takes a few dozen: the Day 1 train step takes
+    138 ms against 151 ms without (float32) and 83 against 100 ms (bfloat16), by `jaxgpt bench
+    train --config experiments/day1.toml` run alternately with and without the re-exec
+    (JAXGPT_HUGEPAGE_MALLOC=0). glibc reads GLIBC_TUNABLES only at process start, hence the
+    re-exec. JAXGPT_HUGEPAGE_MALLOC=0 turns this off.
     """
     if sys.platform != "linux" or "GLIBC_TUNABLES" in environ or environ.get("JAXGPT_HUGEPAGE_MALLOC") == "0":
         return None

@@ -1,8 +1,10 @@
-"""Corpora, cached token files and deterministic batch sampling.
+"""Corpora, cached token files, a run's prepared data, deterministic batches and their eval.
 
 A corpus is text split into train and val documents. Token files are the concatenated ids of each
 split, written once per (corpus, tokenizer) content hash and memory-mapped afterwards. A batch is a
-pure function of (seed, stream, step), so resuming needs only the step.
+pure function of (seed, stream, step), so resuming needs only the step. `prepare_data` turns a
+run's config into its tokenizer and token files; the trainer, the sweeps, `jaxgpt eval` and the
+benchmarks all get their data from here.
 """
 
 from __future__ import annotations
@@ -10,20 +12,25 @@ from __future__ import annotations
 import glob
 import hashlib
 import json
+import math
 import os
 import sys
 import sysconfig
-import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import jax
 import numpy as np
 
+from jaxgpt.config import ModelConfig, RunConfig
+from jaxgpt.rundir import RunDir, write_atomic
 from jaxgpt.tokenizer import BPE, CHAR, Tokenizer, build_tokenizer
 
 # Not the standard library (site-packages), or left out to keep the default run small.
 _STDLIB_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__"}
 _TOKEN_FORMAT = 1
+TRAIN_STREAM, VAL_STREAM = 0, 1  # independent batch streams from one seed
 
 
 @dataclass(frozen=True)
@@ -243,25 +250,11 @@ def _write_tokens(folder: Path, corpus: Corpus, tokenizer: Tokenizer) -> dict:
         ids = np.concatenate(tokenizer.encode_many(docs)).astype(dtype)
         if ids.size == 0:
             raise ValueError(f"the {name} split encodes to no tokens")
-        _atomic_write(folder / f"{name}.bin", ids.data)
+        write_atomic(folder / f"{name}.bin", ids.data)
         meta[f"{name}_tokens"] = int(ids.size)
     meta["val_bytes"] = sum(len(doc.encode("utf-8")) for doc in corpus.val)
-    _atomic_write(folder / "meta.json", json.dumps(meta, indent=1).encode())
+    write_atomic(folder / "meta.json", json.dumps(meta, indent=1).encode())
     return meta
-
-
-def _atomic_write(path: Path, data: bytes | memoryview) -> None:
-    """Write to a temp file beside `path`, then rename: a crash never leaves a half file at `path`."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def cached_tokenizer(
@@ -315,3 +308,63 @@ def get_batch(
     per_process = batch_size // process_count
     mine = offsets[process_index * per_process:(process_index + 1) * per_process]
     return np.asarray(tokens[mine[:, None] + np.arange(window)], dtype=np.int32)
+
+
+def window_length(model: ModelConfig) -> int:
+    """Tokens per batch row: the context, the next token, and one more per MTP depth."""
+    return model.context_length + 1 + model.mtp_depth
+
+
+@dataclass
+class RunData:
+    tokenizer: Tokenizer
+    tokens: TokenSplits
+
+
+def prepare_data(cfg: RunConfig, run_dir: str | Path) -> RunData:
+    """Corpus -> tokenizer -> token files; checks everything before the run directory is written."""
+    saved = RunDir(run_dir).tokenizer
+    corpus = load_corpus(cfg.data.source, cfg.data.val_fraction)
+    if saved.is_file():  # a resumed run keeps its own tokenizer rather than rebuilding one
+        tokenizer = Tokenizer.load(saved, kind=cfg.data.tokenizer)
+    else:
+        tokenizer = cached_tokenizer(cfg.data.tokenizer, corpus, cfg.model.vocab_size)
+    if tokenizer.vocab_size > cfg.model.vocab_size:
+        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens, more than "
+                         f"model.vocab_size = {cfg.model.vocab_size}")
+    tokens = prepare_tokens(corpus, tokenizer)
+    window = window_length(cfg.model)
+    for split, ids in (("train", tokens.train), ("val", tokens.val)):
+        if len(ids) < window:
+            raise ValueError(f"the {split} split has {len(ids)} tokens, fewer than one window of "
+                             f"{window} (model.context_length + 1 + model.mtp_depth); use more text")
+    return RunData(tokenizer, tokens)
+
+
+def train_batch(cfg: RunConfig, data: RunData, step: int, seed: int) -> np.ndarray:
+    """This process's rows of the train batch of `step` for a run with train.seed = `seed`."""
+    return get_batch(data.tokens.train, seed=seed, step=step, stream=TRAIN_STREAM,
+                     batch_size=cfg.train.batch_size, window=window_length(cfg.model), **_process_slice())
+
+
+def val_batch(cfg: RunConfig, data: RunData, index: int, seed: int) -> np.ndarray:
+    """This process's rows of val batch `index` (the same batches at every eval)."""
+    return get_batch(data.tokens.val, seed=seed, step=index, stream=VAL_STREAM, batch_size=cfg.train.batch_size,
+                     window=window_length(cfg.model), split="val", **_process_slice())
+
+
+def _process_slice() -> dict[str, int]:
+    return {"process_index": jax.process_index(), "process_count": jax.process_count()}
+
+
+def evaluate(batch_loss: Callable[[np.ndarray], jax.Array], cfg: RunConfig, data: RunData) -> dict[str, float]:
+    """Val loss, perplexity and bits per byte over the same `eval_batches` val batches every time."""
+    losses = [batch_loss(val_batch(cfg, data, i, cfg.train.seed)) for i in range(cfg.train.eval_batches)]
+    return eval_summary(np.asarray(jax.device_get(losses)), data)
+
+
+def eval_summary(batch_losses: np.ndarray, data: RunData) -> dict[str, float]:
+    """The eval record of one run from its per-batch val losses [eval_batches]."""
+    loss = float(np.mean(batch_losses))
+    return {"val_loss": loss, "val_perplexity": math.exp(min(loss, 700.0)),
+            "val_bits_per_byte": loss / math.log(2) / data.tokens.val_bytes_per_token}

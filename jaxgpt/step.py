@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxgpt.config import ModelConfig, RunConfig
+from jaxgpt.data import window_length  # noqa: F401  (the batch width; scripts import it from here too)
 from jaxgpt.model import Params, forward, init_params
 from jaxgpt.optim import OptHParams, lr_schedule, make_optimizer
 
@@ -24,10 +25,6 @@ class TrainState:
     step: jax.Array  # int32 scalar: the number of updates applied so far
     params: Params
     opt_state: Any
-
-
-def window_length(model: ModelConfig) -> int:
-    return model.context_length + 1 + model.mtp_depth
 
 
 @functools.partial(jax.jit, static_argnums=0)  # one compile instead of one per eager op

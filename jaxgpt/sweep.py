@@ -38,9 +38,9 @@ import dataclasses
 import difflib
 import json
 import math
-import os
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,16 +50,16 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxgpt.config import ConfigError, RunConfig, TrainConfig, load_config, read_toml
+from jaxgpt.data import RunData, eval_summary, prepare_data, train_batch, val_batch
 from jaxgpt.model import count_params
 from jaxgpt.optim import OptHParams
+from jaxgpt.rundir import atomic_file, write_atomic
 from jaxgpt.step import TrainState, eval_step, init_state, train_step
-from jaxgpt.train import RunData, eval_summary, prepare_data, train_batch, val_batch
 
 SWEEP_KEYS = ("base", "seeds", "set", "variant")
 VARIANT_KEYS = ("name", "set")
 VMAPPED_KEYS = ("train.seed", *(f"train.{name}" for name in OptHParams._fields))
 BASELINE = "baseline"
-TRACES = {"train": 0, "eval": 0}  # how often each group's steps were traced (tests check 1 per group)
 
 
 @dataclass(frozen=True)
@@ -193,8 +193,13 @@ def stack_hparams(configs: list[TrainConfig]) -> OptHParams:
                         for name in OptHParams._fields))
 
 
-def train_group(runs: list[Member], data: RunData, *, progress: bool = True, desc: str = "") -> GroupResult:
-    """Train the members of one group together: one vmapped, jitted step for all of them."""
+def train_group(runs: list[Member], data: RunData, *, progress: bool = True, desc: str = "",
+                traces: Counter[str] | None = None) -> GroupResult:
+    """Train the members of one group together: one vmapped, jitted step for all of them.
+
+    `traces`, when given, counts how often the train and eval steps are traced (once per group).
+    """
+    traces = Counter() if traces is None else traces
     cfg = shared_config(runs[0].config)
     if any(shared_config(m.config) != cfg for m in runs):
         raise ValueError("members of a group may differ only in " + ", ".join(VMAPPED_KEYS))
@@ -204,11 +209,11 @@ def train_group(runs: list[Member], data: RunData, *, progress: bool = True, des
     seeds_M = np.array(seeds, np.int32)
 
     def member_step(state, batch_BW, hp, seed):
-        TRACES["train"] += 1
+        traces["train"] += 1
         return train_step(cfg, state, batch_BW, hparams=hp, seed=seed)
 
     def member_eval(params, batch_BW):
-        TRACES["eval"] += 1
+        traces["eval"] += 1
         return eval_step(cfg, params, batch_BW)
 
     step_fn = jax.jit(jax.vmap(member_step), donate_argnums=0)
@@ -275,17 +280,13 @@ def _read_results(path: Path) -> list[dict[str, Any]]:
     return records
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
-
-def run_sweep(sweep: Sweep, out_dir: str | Path, *, progress: bool = True) -> list[dict[str, Any]]:
+def run_sweep(sweep: Sweep, out_dir: str | Path, *, progress: bool = True,
+              traces: Counter[str] | None = None) -> list[dict[str, Any]]:
     """Train every member not already in out_dir/results.jsonl; write the results; return the records.
 
     A member counts as done when a record with its variant, seed and config sha256 is there;
-    records of runs the sweep no longer has are dropped when the file is rewritten.
+    records of runs the sweep no longer has are dropped when the file is rewritten. `traces`: as
+    in `train_group`, summed over the groups.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -305,12 +306,12 @@ def run_sweep(sweep: Sweep, out_dir: str | Path, *, progress: bool = True) -> li
             data_cache[data_key] = prepare_data(cfg, out)
         names = ", ".join(dict.fromkeys(m.variant for m in group))
         desc = f"group {number}/{len(groups)} [{names}] x{len(group)}"
-        result = train_group(group, data_cache[data_key], progress=progress, desc=desc)
+        result = train_group(group, data_cache[data_key], progress=progress, desc=desc, traces=traces)
         parameters = count_params(jax.tree_util.tree_map(lambda leaf: leaf[0], result.state.params))
         for index, member in enumerate(group):
             done[_key(member)] = member_record(member, result, index, parameters)
         ordered = [done[_key(m)] for m in runs if _key(m) in done]
-        _write_atomic(results, "".join(json.dumps(r) + "\n" for r in ordered))
+        write_atomic(results, "".join(json.dumps(r) + "\n" for r in ordered))
         write_report(sweep, ordered, out)
     records = [done[_key(m)] for m in runs]
     write_report(sweep, records, out)
@@ -398,7 +399,5 @@ def plot_curves(sweep: Sweep, records: list[dict[str, Any]], out_png: Path) -> N
     ax.grid(alpha=0.3)
     if ax.lines:
         ax.legend(fontsize=8)
-    tmp = out_png.with_name(f".{out_png.name}.tmp")
-    with tmp.open("wb") as f:
+    with atomic_file(out_png) as f:
         fig.savefig(f, format="png")
-    os.replace(tmp, out_png)

@@ -8,15 +8,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
-import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
 from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFTokenizer
+
+from jaxgpt.rundir import write_atomic
 
 BPE, CHAR, FILE = "bpe", "char", "file"
 BYTE_ALPHABET = 256
@@ -78,14 +78,7 @@ class Tokenizer:
         if path.is_dir():
             path = path / "tokenizer.json"
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(self._hf.to_str(pretty=True))
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_atomic(path, self._hf.to_str(pretty=True))
         return path
 
     @classmethod

@@ -10,30 +10,26 @@ samples and the checkpoints.
 from __future__ import annotations
 
 import math
-import os
 import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import jax
-import numpy as np
 from tqdm.auto import tqdm
 
 from jaxgpt.checkpoint import Checkpointer, load_run_config
 from jaxgpt.config import RunConfig
-from jaxgpt.data import TokenSplits, cached_tokenizer, get_batch, load_corpus, prepare_tokens
+from jaxgpt.data import RunData, evaluate, prepare_data, train_batch
 from jaxgpt.generate import generate
 from jaxgpt.metrics import MetricsWriter, Throughput, plot_losses, truncate_metrics
 from jaxgpt.model import count_params, init_params
+from jaxgpt.rundir import RunDir, write_atomic
 from jaxgpt.runtime import Runtime, make_runtime
-from jaxgpt.step import TrainState, window_length
-from jaxgpt.tokenizer import Tokenizer
+from jaxgpt.step import TrainState
 
-TRAIN_STREAM, VAL_STREAM = 0, 1  # independent batch streams from one seed
 # Keys a resumed run may change freely: how long it runs, how often it reports, and how it is laid
 # out on devices (the numbers do not depend on it beyond float rounding).
 RUN_LENGTH_KEYS = ("train.steps", "train.eval_every", "train.eval_batches", "train.checkpoint_every",
@@ -43,38 +39,6 @@ RUN_LENGTH_KEYS = ("train.steps", "train.eval_every", "train.eval_batches", "tra
 
 class TrainingDiverged(ValueError):
     """The loss became NaN or infinite."""
-
-
-@dataclass
-class RunData:
-    tokenizer: Tokenizer
-    tokens: TokenSplits
-
-
-def prepare_data(cfg: RunConfig, run_dir: Path) -> RunData:
-    """Corpus -> tokenizer -> token files; checks everything before the run directory is written."""
-    saved = run_dir / "tokenizer.json"
-    corpus = load_corpus(cfg.data.source, cfg.data.val_fraction)
-    if saved.is_file():  # a resumed run keeps its own tokenizer rather than rebuilding one
-        tokenizer = Tokenizer.load(saved, kind=cfg.data.tokenizer)
-    else:
-        tokenizer = cached_tokenizer(cfg.data.tokenizer, corpus, cfg.model.vocab_size)
-    if tokenizer.vocab_size > cfg.model.vocab_size:
-        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens, more than "
-                         f"model.vocab_size = {cfg.model.vocab_size}")
-    tokens = prepare_tokens(corpus, tokenizer)
-    window = window_length(cfg.model)
-    for split, ids in (("train", tokens.train), ("val", tokens.val)):
-        if len(ids) < window:
-            raise ValueError(f"the {split} split has {len(ids)} tokens, fewer than one window of "
-                             f"{window} (model.context_length + 1 + model.mtp_depth); use more text")
-    return RunData(tokenizer, tokens)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
 
 
 def manifest(cfg: RunConfig, data: RunData) -> dict[str, Any]:
@@ -117,31 +81,6 @@ def check_fingerprints(expected: dict[str, Any], found: dict[str, Any], run_dir:
                          "trained on (--force continues on the new corpus)")
 
 
-def evaluate(batch_loss: Callable[[np.ndarray], jax.Array], cfg: RunConfig, data: RunData) -> dict[str, float]:
-    """Val loss, perplexity and bits per byte over the same `eval_batches` val batches every time."""
-    losses = [batch_loss(val_batch(cfg, data, i, cfg.train.seed)) for i in range(cfg.train.eval_batches)]
-    return eval_summary(np.asarray(jax.device_get(losses)), data)
-
-
-def train_batch(cfg: RunConfig, data: RunData, step: int, seed: int) -> np.ndarray:
-    """This process's rows of the train batch of `step` for a run with train.seed = `seed`."""
-    return get_batch(data.tokens.train, seed=seed, step=step, stream=TRAIN_STREAM,
-                     batch_size=cfg.train.batch_size, window=window_length(cfg.model), **_process_slice())
-
-
-def val_batch(cfg: RunConfig, data: RunData, index: int, seed: int) -> np.ndarray:
-    """This process's rows of val batch `index` (the same batches at every eval)."""
-    return get_batch(data.tokens.val, seed=seed, step=index, stream=VAL_STREAM, batch_size=cfg.train.batch_size,
-                     window=window_length(cfg.model), split="val", **_process_slice())
-
-
-def eval_summary(batch_losses: np.ndarray, data: RunData) -> dict[str, float]:
-    """The eval record of one run from its per-batch val losses [eval_batches]."""
-    loss = float(np.mean(batch_losses))
-    return {"val_loss": loss, "val_perplexity": math.exp(min(loss, 700.0)),
-            "val_bits_per_byte": loss / math.log(2) / data.tokens.val_bytes_per_token}
-
-
 def sample_text(params, cfg: RunConfig, data: RunData, seed: int) -> str:
     prompt = list(data.tokenizer.encode("\n")) or [0]
     new = generate(params, cfg.model, [prompt], cfg.train.sample_tokens, temperature=0.8, top_k=40, seed=seed,
@@ -153,7 +92,7 @@ def _check_finite(metrics: dict[str, Any], step: int, run_dir: Path, last_saved:
     loss = float(metrics["loss"])
     if not (math.isfinite(loss) and math.isfinite(float(metrics["grad_norm"]))):
         kept = f"the last good checkpoint is step {last_saved}" if last_saved is not None else "no checkpoint was saved"
-        raise TrainingDiverged(f"loss became {loss} at step {step}; stopping ({kept} in {run_dir / 'checkpoints'})")
+        raise TrainingDiverged(f"loss became {loss} at step {step}; stopping ({kept} in {RunDir(run_dir).checkpoints})")
     return loss
 
 
@@ -183,10 +122,6 @@ class StopSignals:
             signal.signal(signum, handler)
 
 
-def _process_slice() -> dict[str, int]:
-    return {"process_index": jax.process_index(), "process_count": jax.process_count()}
-
-
 def _resume(checkpointer: Checkpointer, runtime: Runtime, state: TrainState, expected: dict[str, Any],
             run_dir: Path, force: bool) -> TrainState:
     if not checkpointer.steps():
@@ -211,8 +146,9 @@ def train(cfg: RunConfig, out_dir: str | Path = "runs/default", *, resume: bool 
     match it (see `jaxgpt.hf.load_into`). A resumed run continues from its own checkpoints.
     """
     run_dir = Path(out_dir)
-    has_checkpoints = (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir())
-    if resume and (run_dir / "config.toml").is_file():
+    files = RunDir(run_dir)
+    has_checkpoints = files.has_checkpoints()
+    if resume and files.config.is_file():
         check_config_change(load_run_config(run_dir), cfg, run_dir, force)
     elif not resume and has_checkpoints:
         raise ValueError(f"{run_dir} already holds a run; use --resume to continue it or another --out")
@@ -229,8 +165,8 @@ def train(cfg: RunConfig, out_dir: str | Path = "runs/default", *, resume: bool 
     main_process = jax.process_index() == 0  # the one that writes files other than checkpoints
     run_dir.mkdir(parents=True, exist_ok=True)
     if main_process:
-        _write_atomic(run_dir / "config.toml", cfg.to_toml())
-        data.tokenizer.save(run_dir / "tokenizer.json")
+        write_atomic(files.config, cfg.to_toml())
+        data.tokenizer.save(files.tokenizer)
 
     expected = manifest(cfg, data)
     checkpointer = Checkpointer(run_dir, keep=cfg.train.keep_checkpoints)
@@ -238,14 +174,14 @@ def train(cfg: RunConfig, out_dir: str | Path = "runs/default", *, resume: bool 
         if resume:
             state = _resume(checkpointer, runtime, state, expected, run_dir, force)
         if main_process:
-            truncate_metrics(run_dir / "metrics.jsonl", after_step=int(runtime.to_saved(state).step))
+            truncate_metrics(files.metrics, after_step=int(runtime.to_saved(state).step))
         with StopSignals() as stop:
             summary = _loop(cfg, run_dir, data, state, runtime, checkpointer, expected, stop,
                             progress and main_process, main_process)
     finally:
         checkpointer.close()
     if main_process:
-        plot_losses(run_dir / "metrics.jsonl", run_dir / "loss.png")
+        plot_losses(files.metrics, files.loss_plot)
     return summary
 
 

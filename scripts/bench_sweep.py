@@ -30,7 +30,8 @@ import jax
 from jaxgpt.config import load_config
 from jaxgpt.runtime import make_runtime
 from jaxgpt.sweep import Member, train_group
-from jaxgpt.train import prepare_data, train
+from jaxgpt.data import prepare_data
+from jaxgpt.train import train
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_SET = ["train.steps=100", "train.batch_size=8", "train.warmup_steps=10", "train.eval_every=100",

@@ -27,7 +27,8 @@ import jax.numpy as jnp
 
 from jaxgpt.bench import median_time
 from jaxgpt.config import load_config
-from jaxgpt.step import compile_steps, init_state, window_length
+from jaxgpt.data import window_length
+from jaxgpt.step import compile_steps, init_state
 
 DotKey = tuple[tuple[int, ...], tuple[int, ...], Any, str]
 

@@ -15,7 +15,8 @@ from jaxgpt.config import ModelConfig, RunConfig, TrainConfig
 from jaxgpt.generate import (FINISHED, bucket_length, generate, generate_tokens, sample_logits,
                              slide_length)
 from jaxgpt.model import forward, init_params
-from jaxgpt.step import compile_steps, init_state, window_length
+from jaxgpt.data import window_length
+from jaxgpt.step import compile_steps, init_state
 
 # init_std 0.3 sharpens the random model's logits, so greedy choices are far from float ties and
 # its output wanders instead of settling on one repeated token.

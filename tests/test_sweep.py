@@ -4,6 +4,7 @@ verdicts, resuming a sweep, and clear errors for bad sweep files."""
 import json
 import math
 import random
+from collections import Counter
 from pathlib import Path
 
 import jax
@@ -19,7 +20,8 @@ from jaxgpt.metrics import read_metrics
 from jaxgpt.optim import OptHParams, lr_schedule
 from jaxgpt.sweep import (group_members, load_sweep, members, run_sweep, stack_hparams, summarise,
                           train_group, verdict)
-from jaxgpt.train import prepare_data, train
+from jaxgpt.data import prepare_data
+from jaxgpt.train import train
 
 BASE = """
 [model]
@@ -85,9 +87,9 @@ def test_three_seeds_compile_once_and_equal_their_single_runs(base_file, tmp_pat
     runs = members(sweep)
     assert [m.seed for m in runs] == [0, 1, 2] and len(group_members(runs)) == 1
     data = prepare_data(runs[0].config, tmp_path)
-    sweep_module.TRACES.update(train=0, eval=0)
-    result = train_group(runs, data, progress=False)
-    assert sweep_module.TRACES == {"train": 1, "eval": 1}  # one compiled step for all three seeds
+    traces = Counter()
+    result = train_group(runs, data, progress=False, traces=traces)
+    assert traces == {"train": 1, "eval": 1}  # one compiled step for all three seeds
     finals = []
     for index, member in enumerate(runs):
         summary, evals, params = single_run(member.config, tmp_path / f"seed{member.seed}")
@@ -103,13 +105,14 @@ def test_three_seeds_compile_once_and_equal_their_single_runs(base_file, tmp_pat
     assert len(set(finals)) == 3  # the seeds really differ
 
 
-def test_optimiser_variant_vmapped_with_baseline_equals_its_single_run(base_file, tmp_path, capsys):
+def test_optimiser_variant_vmapped_with_baseline_equals_its_single_run(base_file, tmp_path, capsys, monkeypatch):
     path = write_sweep(tmp_path, sweep_text(base_file, 1, ("baseline", []), ("hot", LR_VARIANT),
                                             ("rms", ["model.norm=rmsnorm"])))
-    sweep_module.TRACES.update(train=0, eval=0)
+    traces, real_run_sweep = Counter(), sweep_module.run_sweep
+    monkeypatch.setattr(sweep_module, "run_sweep", lambda *args, **kw: real_run_sweep(*args, **kw, traces=traces))
     out = tmp_path / "out"
     assert main(["sweep", str(path), "--out", str(out), "--no-progress"]) == 0
-    assert sweep_module.TRACES["train"] == 2  # {baseline, hot} together, then rms
+    assert traces["train"] == 2  # {baseline, hot} together, then rms
     assert "| hot |" in capsys.readouterr().out
     records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert [(r["variant"], r["seed"], r["group_members"]) for r in records] == [
@@ -129,13 +132,13 @@ def test_optimiser_variant_vmapped_with_baseline_equals_its_single_run(base_file
 def test_a_rerun_skips_finished_members_and_more_seeds_run_only_the_new_ones(base_file, tmp_path):
     path = write_sweep(tmp_path, sweep_text(base_file, 1, ("baseline", []), ("hot", ["train.lr=1e-2"])))
     out = tmp_path / "out"
-    sweep_module.TRACES.update(train=0, eval=0)
-    first = run_sweep(load_sweep(path), out, progress=False)
-    assert sweep_module.TRACES["train"] == 1
-    again = run_sweep(load_sweep(path), out, progress=False)
-    assert again == first and sweep_module.TRACES["train"] == 1  # nothing retrained
-    more = run_sweep(load_sweep(path, seeds=2), out, progress=False)
-    assert sweep_module.TRACES["train"] == 2
+    traces = Counter()
+    first = run_sweep(load_sweep(path), out, progress=False, traces=traces)
+    assert traces["train"] == 1
+    again = run_sweep(load_sweep(path), out, progress=False, traces=traces)
+    assert again == first and traces["train"] == 1  # nothing retrained
+    more = run_sweep(load_sweep(path, seeds=2), out, progress=False, traces=traces)
+    assert traces["train"] == 2
     assert [(r["variant"], r["seed"]) for r in more] == [("baseline", 0), ("baseline", 1), ("hot", 0), ("hot", 1)]
     assert more[0] == first[0] and more[1]["group_members"] == 2  # the two new seeds trained together
 
