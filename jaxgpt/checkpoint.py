@@ -22,6 +22,7 @@ import orbax.checkpoint as ocp
 
 from jaxgpt.config import ModelConfig, RunConfig, load_config
 from jaxgpt.model import Params
+from jaxgpt.rundir import RunDir
 from jaxgpt.step import TrainState, init_state
 
 
@@ -48,7 +49,7 @@ def on_one_device(abstract: Any) -> Any:
 
 class Checkpointer:
     def __init__(self, run_dir: Path, keep: int) -> None:
-        self.directory = Path(run_dir).absolute() / "checkpoints"
+        self.directory = RunDir(run_dir).checkpoints.absolute()
         self.keep = keep
         self.manager = self._open()
 
@@ -113,9 +114,9 @@ class Checkpointer:
 
 
 def load_run_config(run_dir: str | Path) -> RunConfig:
-    path = Path(run_dir) / "config.toml"
+    path = RunDir(run_dir).config
     if not path.is_file():
-        raise FileNotFoundError(f"{run_dir} is not a run directory (no config.toml)")
+        raise FileNotFoundError(f"{run_dir} is not a run directory (no {path.name})")
     return load_config(path)
 
 
@@ -133,5 +134,5 @@ def load_run(run_dir: str | Path, warn: Callable[[str], None] = _to_stderr) -> t
     finally:
         checkpointer.close()
     if found is None:
-        raise FileNotFoundError(f"no good checkpoint in {Path(run_dir) / 'checkpoints'}")
+        raise FileNotFoundError(f"no good checkpoint in {RunDir(run_dir).checkpoints}")
     return cfg.model, found[0].params

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from jaxgpt.config import ModelConfig
+from jaxgpt.rundir import RunDir, write_atomic
 
 Params = dict[str, Any]
 WEIGHTS = "model.safetensors"
@@ -385,23 +386,23 @@ def import_hf_run(hf_dir: str | Path, out_dir: str | Path) -> Path:
     from jaxgpt.config import DataConfig, RunConfig
     from jaxgpt.step import state_from_params
 
-    hf_dir, run_dir = Path(hf_dir), Path(out_dir)
-    if (run_dir / "checkpoints").exists() or (run_dir / "config.toml").exists():
+    hf_dir, run_dir, files = Path(hf_dir), Path(out_dir), RunDir(out_dir)
+    if files.checkpoints.exists() or files.config.exists():
         raise ValueError(f"{run_dir} already holds a run; choose another --out")
     model, params = import_hf(hf_dir)
     tokenizer_src = hf_dir / "tokenizer.json"
-    data = DataConfig(tokenizer=str((run_dir / "tokenizer.json").absolute())) if tokenizer_src.is_file() \
+    data = DataConfig(tokenizer=str(files.tokenizer.absolute())) if tokenizer_src.is_file() \
         else DataConfig()
     cfg = RunConfig(model=model, data=data)
     state = state_from_params(cfg, params)
     run_dir.mkdir(parents=True, exist_ok=True)
     manifest: dict[str, Any] = {"config": cfg.to_dict(), "imported_from": str(hf_dir.absolute())}
     if tokenizer_src.is_file():
-        shutil.copyfile(tokenizer_src, run_dir / "tokenizer.json")
+        shutil.copyfile(tokenizer_src, files.tokenizer)
         from jaxgpt.tokenizer import Tokenizer
 
-        manifest["tokenizer_sha256"] = Tokenizer.load(run_dir / "tokenizer.json").fingerprint
-    (run_dir / "config.toml").write_text(cfg.to_toml(), encoding="utf-8")
+        manifest["tokenizer_sha256"] = Tokenizer.load(files.tokenizer).fingerprint
+    write_atomic(files.config, cfg.to_toml())
     checkpointer = Checkpointer(run_dir, keep=cfg.train.keep_checkpoints)
     try:
         checkpointer.save(state, manifest)
