@@ -8,19 +8,15 @@ from __future__ import annotations
 import collections
 import json
 import math
-import os
-import sys
-import tempfile
 import time
 from numbers import Real
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from jaxgpt.config import ModelConfig
-
-if TYPE_CHECKING:
-    from tensorboardX import SummaryWriter
+from jaxgpt.events import EventWriter
+from jaxgpt.rundir import RunDir, atomic_file, write_atomic
 
 RECORD_TYPES = ("train", "eval", "sample", "summary")
 
@@ -44,23 +40,6 @@ def _validate(record: dict[str, Any]) -> None:
         raise ValueError(f"metrics record step must be an int, got {record['step']!r}")
 
 
-def _summary_writer(log_dir: Path) -> SummaryWriter:
-    """tensorboardX's writer, imported without PyTorch.
-
-    tensorboardX imports torch whenever it is installed (1-2 s of every run's start) only to accept
-    torch tensors; we write floats. torch is hidden during that import unless already loaded.
-    """
-    hide_torch = "torch" not in sys.modules
-    if hide_torch:
-        sys.modules["torch"] = None  # type: ignore[assignment]  # makes `import torch` fail fast
-    try:
-        from tensorboardX import SummaryWriter
-    finally:
-        if hide_torch:
-            del sys.modules["torch"]
-    return SummaryWriter(str(log_dir), flush_secs=10)
-
-
 def _drop_partial_last_line(path: Path) -> None:
     """Cut a record half-written by a crash, so appending after a resume starts a clean line."""
     if not path.exists() or path.stat().st_size == 0:
@@ -82,13 +61,13 @@ class MetricsWriter:
         self.run_dir = Path(run_dir)
         self.enabled = enabled
         self._jsonl = None
-        self._tensorboard: SummaryWriter | None = None
+        self._tensorboard: EventWriter | None = None
         if enabled:
+            files = RunDir(run_dir)
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            path = self.run_dir / "metrics.jsonl"
-            _drop_partial_last_line(path)
-            self._jsonl = path.open("a", encoding="utf-8")
-            self._tensorboard = _summary_writer(self.run_dir / "tensorboard")
+            _drop_partial_last_line(files.metrics)
+            self._jsonl = files.metrics.open("a", encoding="utf-8")
+            self._tensorboard = EventWriter(files.tensorboard)
 
     def write(self, record: dict[str, Any]) -> None:
         record = {key: _plain(value) for key, value in record.items()}
@@ -101,7 +80,7 @@ class MetricsWriter:
         self._jsonl.flush()
         for key, value in record.items():
             if key != "step" and isinstance(value, Real) and not isinstance(value, bool):
-                self._tensorboard.add_scalar(f"{record['type']}/{key}", value, record["step"])
+                self._tensorboard.scalar(f"{record['type']}/{key}", value, record["step"])
 
     def close(self) -> None:
         if self._jsonl is not None:
@@ -145,9 +124,7 @@ def truncate_metrics(path: Path, after_step: int) -> None:
     kept = [r for r in records if r.get("step", 0) <= after_step]
     if len(kept) == len(records) and path.read_bytes().endswith(b"\n"):
         return
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
-    os.replace(tmp, path)
+    write_atomic(path, "".join(json.dumps(r) + "\n" for r in kept))
 
 
 def plot_losses(metrics_path: Path, out_png: Path) -> None:
@@ -172,14 +149,8 @@ def plot_losses(metrics_path: Path, out_png: Path) -> None:
         ax.legend()
     out_png.parent.mkdir(parents=True, exist_ok=True)
     # A reader (a notebook refreshing the image) never sees a half-written PNG.
-    fd, tmp = tempfile.mkstemp(dir=out_png.parent, prefix=f".{out_png.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            fig.savefig(f, format="png")
-        os.replace(tmp, out_png)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    with atomic_file(out_png) as f:
+        fig.savefig(f, format="png")
 
 
 def matmul_parameters(model: ModelConfig) -> int:

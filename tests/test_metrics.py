@@ -1,10 +1,15 @@
 import json
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from tensorboardX.crc32c import crc32c as reference_crc32c
 from tensorboardX.proto import event_pb2
+
+from jaxgpt.events import EventWriter, masked_crc32c
 
 from jaxgpt.config import ModelConfig
 from jaxgpt.metrics import MetricsWriter, Throughput, flops_per_token, mfu, plot_losses, read_metrics
@@ -56,14 +61,24 @@ def test_invalid_records_are_rejected(tmp_path: Path, bad: dict) -> None:
         writer.write(bad)
 
 
+def reference_masked_crc(data: bytes) -> int:
+    """TFRecord's masked CRC-32C, from tensorboardX's own CRC implementation."""
+    crc = reference_crc32c(data)
+    return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+
+
 def read_scalars(event_dir: Path) -> dict[tuple[str, int], float]:
-    """Parse TFRecord-framed Event protos: u64 length, u32 crc, payload, u32 crc."""
+    """Parse TFRecord-framed Event protos (u64 length, u32 crc, payload, u32 crc), checking both CRCs."""
     scalars = {}
     for path in event_dir.glob("events.out.tfevents.*"):
         data, offset = path.read_bytes(), 0
         while offset < len(data):
-            (length,) = struct.unpack("<Q", data[offset:offset + 8])
-            event = event_pb2.Event.FromString(data[offset + 12:offset + 12 + length])
+            header, (header_crc,) = data[offset:offset + 8], struct.unpack("<I", data[offset + 8:offset + 12])
+            (length,) = struct.unpack("<Q", header)
+            payload = data[offset + 12:offset + 12 + length]
+            (payload_crc,) = struct.unpack("<I", data[offset + 12 + length:offset + 16 + length])
+            assert (header_crc, payload_crc) == (reference_masked_crc(header), reference_masked_crc(payload))
+            event = event_pb2.Event.FromString(payload)
             offset += 12 + length + 4
             for value in event.summary.value:
                 scalars[value.tag, event.step] = value.simple_value
@@ -80,6 +95,34 @@ def test_tensorboard_scalars_under_type_and_key(tmp_path: Path) -> None:
         ("train/loss", 20): 4.25, ("train/lr", 20): pytest.approx(2e-3),
         ("eval/val_loss", 20): 4.5, ("eval/val_perplexity", 20): 90.0,
     }
+
+
+def test_event_file_starts_with_the_version_event_and_keeps_large_steps(tmp_path: Path) -> None:
+    writer = EventWriter(tmp_path)
+    writer.scalar("train/loss", np.float32(0.25), 2**40 + 3)
+    writer.close()
+    assert read_scalars(tmp_path) == {("train/loss", 2**40 + 3): 0.25}
+    first_length = struct.unpack("<Q", writer.path.read_bytes()[:8])[0]
+    first = event_pb2.Event.FromString(writer.path.read_bytes()[12:12 + first_length])
+    assert first.file_version == "brain.Event:2"
+
+
+@pytest.mark.parametrize("data", [b"", b"a", b"123456789", bytes(range(256)) * 3])
+def test_masked_crc_matches_tensorboardx(data: bytes) -> None:
+    assert masked_crc32c(data) == reference_masked_crc(data)
+
+
+def test_writing_metrics_imports_no_tensorboard_library_or_torch(tmp_path: Path) -> None:
+    script = (
+        "import sys\n"
+        "from jaxgpt.metrics import MetricsWriter\n"
+        f"with MetricsWriter({str(tmp_path)!r}) as w:\n"
+        "    w.write({'type': 'train', 'step': 1, 'loss': 2.0})\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'tensorboardX', 'tensorboard')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, text=True).stdout
+    assert out.strip() == "[]"
+    assert read_scalars(tmp_path / "tensorboard") == {("train/loss", 1): 2.0}
 
 
 def test_disabled_writer_writes_nothing(tmp_path: Path) -> None:
