@@ -4,6 +4,9 @@ The training loop talks to a `Runtime` and never to devices: it gets a fresh or 
 laid out for the mode, feeds host batches (this process's rows of the global batch), and gets
 back host metrics and params it can sample from. Checkpoints always hold the plain (unreplicated)
 state, so a run saved in one mode or device count resumes in another.
+
+The mode is chosen once, in `make_runtime`: each mode is one `Placement` class (`PLACEMENTS`)
+saying where states and batches live and which compiled steps run them; `Runtime` holds one.
 """
 
 from __future__ import annotations
@@ -14,7 +17,6 @@ from typing import Any, Callable
 
 import jax
 import numpy as np
-from jax.sharding import Mesh
 
 from jaxgpt import parallel
 from jaxgpt.checkpoint import on_one_device
@@ -23,83 +25,168 @@ from jaxgpt.model import Params
 from jaxgpt.step import TrainState, compile_steps, eval_step, init_state, state_from_params
 
 
-@dataclass
-class Runtime:
-    cfg: RunConfig
-    mode: str  # "single" | "sharded" | "pmap"
-    mesh: Mesh | None
-    shardings: Any  # of the train state, in sharded mode
-    _train: Callable
-    _eval: Callable
+class SingleDevice:
+    """The state and every batch on the first device. The other placements override what differs."""
 
-    def init_state(self) -> TrainState:
-        rng = jax.random.key(self.cfg.train.seed)
-        if self.mode == "sharded":
-            return parallel.init_sharded_state(self.cfg, rng, self.mesh)
-        state = init_state(self.cfg, rng)
-        return parallel.replicate(state) if self.mode == "pmap" else state
+    mode = "single"
 
-    def state_from_params(self, params: Params) -> TrainState:
-        """A step-0 state holding `params` (host or device arrays), laid out for the mode."""
-        state = state_from_params(self.cfg, params)
-        if self.mode == "sharded":
-            return jax.device_put(state, self.shardings)
-        state = jax.device_put(state, jax.devices()[0])
-        return parallel.replicate(state) if self.mode == "pmap" else state
+    def __init__(self, cfg: RunConfig) -> None:
+        self.cfg = cfg
 
-    def to_saved(self, state: TrainState) -> TrainState:
-        """The state as checkpoints hold it (one copy, whatever the mode)."""
-        return parallel.unreplicate(state) if self.mode == "pmap" else state
+    def compile(self) -> tuple[Callable, Callable]:
+        return compile_steps(self.cfg)
+
+    def init_state(self, rng: jax.Array) -> TrainState:
+        return init_state(self.cfg, rng)
+
+    def place(self, state: TrainState) -> TrainState:
+        """A plain state (host or device arrays) laid out for the mode."""
+        return jax.device_put(state, jax.devices()[0])
 
     def from_saved(self, state: TrainState) -> TrainState:
-        return parallel.replicate(state) if self.mode == "pmap" else state
+        return state  # restored onto the first device already (`restore_target`)
+
+    def to_saved(self, state: TrainState) -> TrainState:
+        return state
+
+    def restore_target(self) -> Any:
+        return on_one_device(parallel.state_shapes(self.cfg))
+
+    def train_batch(self, batch_bW: np.ndarray) -> Any:
+        return batch_bW
+
+    def eval_batch(self, batch_bW: np.ndarray) -> Any:
+        return batch_bW
+
+    def host_metrics(self, metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
+        return metrics
+
+    def describe(self, state: TrainState) -> dict[str, Any]:
+        return {"mode": self.mode, "devices": 1}
+
+
+class Replicated(SingleDevice):
+    """pmap: a copy of the state on every local device, each device a share of the batch; eval
+    runs on one device from the first copy."""
+
+    mode = "pmap"
+
+    def compile(self) -> tuple[Callable, Callable]:
+        return parallel.pmap_train_step(self.cfg), compile_steps(self.cfg)[1]
+
+    def init_state(self, rng: jax.Array) -> TrainState:
+        return parallel.replicate(init_state(self.cfg, rng))
+
+    def place(self, state: TrainState) -> TrainState:
+        return parallel.replicate(super().place(state))
+
+    def from_saved(self, state: TrainState) -> TrainState:
+        return parallel.replicate(state)
+
+    def to_saved(self, state: TrainState) -> TrainState:
+        return parallel.unreplicate(state)
+
+    def train_batch(self, batch_bW: np.ndarray) -> Any:
+        return parallel.shard_for_pmap(batch_bW)
+
+    def host_metrics(self, metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
+        return {key: value[0] for key, value in metrics.items()}  # equal on every device
+
+    def describe(self, state: TrainState) -> dict[str, Any]:
+        return {"mode": self.mode, "devices": jax.local_device_count()}
+
+
+class Sharded(SingleDevice):
+    """One global state split over a device mesh (data parallel, optionally FSDP), batches split
+    over its data axis."""
+
+    mode = "sharded"
+
+    def __init__(self, cfg: RunConfig) -> None:
+        super().__init__(cfg)
+        self.mesh = parallel.make_mesh(cfg.train)
+        self.shardings = parallel.state_shardings(self.mesh, parallel.state_shapes(cfg), cfg.train.fsdp)
+
+    def compile(self) -> tuple[Callable, Callable]:
+        train_fn = parallel.sharded_train_step(self.cfg, self.mesh, self.shardings)
+        eval_fn = jax.jit(functools.partial(eval_step, self.cfg),
+                          in_shardings=(self.shardings.params, parallel.batch_sharding(self.mesh)),
+                          out_shardings=parallel.replicated(self.mesh))
+        return train_fn, eval_fn
+
+    def init_state(self, rng: jax.Array) -> TrainState:
+        return parallel.init_sharded_state(self.cfg, rng, self.mesh)
+
+    def place(self, state: TrainState) -> TrainState:
+        return jax.device_put(state, self.shardings)
 
     def restore_target(self) -> Any:
         """Abstract state with the shardings a restored checkpoint should land in."""
-        shapes = parallel.state_shapes(self.cfg)
-        if self.mode != "sharded":
-            return on_one_device(shapes)
         return jax.tree_util.tree_map(
             lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
-            shapes, self.shardings)
+            parallel.state_shapes(self.cfg), self.shardings)
+
+    def train_batch(self, batch_bW: np.ndarray) -> Any:
+        return parallel.shard_batch(batch_bW, self.mesh)
+
+    def eval_batch(self, batch_bW: np.ndarray) -> Any:
+        return parallel.shard_batch(batch_bW, self.mesh)
+
+    def describe(self, state: TrainState) -> dict[str, Any]:
+        return {"mode": self.mode, **parallel.describe(self.mesh, state)}
+
+
+PLACEMENTS: dict[str, type[SingleDevice]] = {cls.mode: cls for cls in (SingleDevice, Replicated, Sharded)}
+
+
+@dataclass
+class Runtime:
+    cfg: RunConfig
+    placement: SingleDevice  # or a subclass: the mode's placement
+    _train: Callable
+    _eval: Callable
+
+    @property
+    def mode(self) -> str:
+        return self.placement.mode
+
+    def init_state(self) -> TrainState:
+        return self.placement.init_state(jax.random.key(self.cfg.train.seed))
+
+    def state_from_params(self, params: Params) -> TrainState:
+        """A step-0 state holding `params` (host or device arrays), laid out for the mode."""
+        return self.placement.place(state_from_params(self.cfg, params))
+
+    def to_saved(self, state: TrainState) -> TrainState:
+        """The state as checkpoints hold it (one copy, whatever the mode)."""
+        return self.placement.to_saved(state)
+
+    def from_saved(self, state: TrainState) -> TrainState:
+        return self.placement.from_saved(state)
+
+    def restore_target(self) -> Any:
+        """Abstract state with the placement a restored checkpoint should land in."""
+        return self.placement.restore_target()
 
     def train_step(self, state: TrainState, batch_bW: np.ndarray) -> tuple[TrainState, dict[str, jax.Array]]:
-        if self.mode == "sharded":
-            return self._train(state, parallel.shard_batch(batch_bW, self.mesh))
-        if self.mode == "pmap":
-            state, metrics = self._train(state, parallel.shard_for_pmap(batch_bW))
-            return state, {key: value[0] for key, value in metrics.items()}
-        return self._train(state, batch_bW)
+        state, metrics = self._train(state, self.placement.train_batch(batch_bW))
+        return state, self.placement.host_metrics(metrics)
 
     def eval_loss(self, state: TrainState, batch_bW: np.ndarray) -> jax.Array:
-        if self.mode == "sharded":
-            return self._eval(state.params, parallel.shard_batch(batch_bW, self.mesh))
-        return self._eval(self.params(state), batch_bW)
+        return self._eval(self.params(state), self.placement.eval_batch(batch_bW))
 
     def params(self, state: TrainState) -> Params:
         return self.to_saved(state).params
 
     def describe(self, state: TrainState) -> dict[str, Any]:
-        if self.mode == "sharded":
-            return {"mode": self.mode, **parallel.describe(self.mesh, state)}
-        return {"mode": self.mode, "devices": jax.local_device_count() if self.mode == "pmap" else 1}
+        return self.placement.describe(state)
 
 
+# Cached per process and config: compiling the steps costs seconds, and one process often trains
+# one config more than once (a notebook re-running `train`, the tests). The key is the frozen
+# config; the devices a process sees do not change once JAX has started.
 @functools.lru_cache(maxsize=8)
 def make_runtime(cfg: RunConfig) -> Runtime:
     """The runtime for `cfg` on this machine's devices, compiled once per process and config."""
-    mode = parallel.resolve_mode(cfg.train, jax.device_count())
-    if mode == "single":
-        train_fn, eval_fn = compile_steps(cfg)
-        return Runtime(cfg, mode, None, None, train_fn, eval_fn)
-    if mode == "pmap":
-        _, eval_fn = compile_steps(cfg)
-        return Runtime(cfg, mode, None, None, parallel.pmap_train_step(cfg), eval_fn)
-    mesh = parallel.make_mesh(cfg.train)
-    shardings = parallel.state_shardings(mesh, parallel.state_shapes(cfg), cfg.train.fsdp)
-    train_fn = parallel.sharded_train_step(cfg, mesh, shardings)
-    params_shardings = shardings.params
-    eval_fn = jax.jit(functools.partial(eval_step, cfg),
-                      in_shardings=(params_shardings, parallel.batch_sharding(mesh)),
-                      out_shardings=parallel.replicated(mesh))
-    return Runtime(cfg, mode, mesh, shardings, train_fn, eval_fn)
+    placement = PLACEMENTS[parallel.resolve_mode(cfg.train, jax.device_count())](cfg)
+    return Runtime(cfg, placement, *placement.compile())
