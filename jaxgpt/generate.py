@@ -29,6 +29,10 @@ Compiled functions are module-level `jax.jit`s with the config and sampling opti
 repeated calls (a sample at every eval) reuse them: one prefill per (cfg, batch, bucket,
 buffer size, options) and one decode loop per (cfg, batch, buffer size, options); the buffer
 size is a power of two.
+
+Array names follow the shape legend in `jaxgpt.model` (S is the cache's length, `context_length`),
+with a few of this file's own: N the sequence buffer, P the prompt bucket, J the tokens fed in one
+pass, W the window a sliding row re-encodes, and D the drafts (`mtp_depth`), as in step.py's depth axis.
 """
 
 from __future__ import annotations
@@ -183,10 +187,10 @@ def _step(params: Params, state: dict[str, Any], stop_token: jax.Array, key: jax
     them are accepted (never past the window's end, where plain decoding would slide), and the
     first greedy token that differs from its draft comes free with them.
     """
-    C, W = cfg.context_length, slide_length(cfg)
+    S, W = cfg.context_length, slide_length(cfg)
     seq_BN, length_B, cache = state["seq"], state["length"], state["cache"]
     active_B = length_B < state["end"]
-    full_B = cache["index"] >= C
+    full_B = cache["index"] >= S
     rng = jax.random.fold_in(key, state["step"])
     pending_B = _at(seq_BN, length_B - 1)
     fed_BJ = jnp.concatenate([pending_B[:, None], state["drafts"]], axis=1)
@@ -194,7 +198,7 @@ def _step(params: Params, state: dict[str, Any], stop_token: jax.Array, key: jax
     if draft:
         greedy_BJ = jnp.argmax(logits[0], axis=-1).astype(jnp.int32)
         agree_B = jnp.cumprod(greedy_BJ[:, :draft] == state["drafts"], axis=1).sum(axis=1)
-        agree_B = jnp.clip(agree_B, 0, C - 1 - cache["index"]).astype(jnp.int32)
+        agree_B = jnp.clip(agree_B, 0, S - 1 - cache["index"]).astype(jnp.int32)
         stepped = (greedy_BJ, agree_B + 1, _drafts(logits, agree_B, draft))
     else:
         tokens_B, drafts_BD = _next_tokens(logits, jnp.zeros_like(length_B), rng, draft, options)
@@ -338,9 +342,9 @@ def _decode_loop(
     chunk: int, stats: dict[str, Any] | None, options: dict[str, Any],
 ) -> Iterator[np.ndarray]:
     cfg: ModelConfig = options["cfg"]
-    C, B = cfg.context_length, len(rows)
+    S, B = cfg.context_length, len(rows)
     lengths = np.array([len(r) for r in rows], np.int32)
-    P = bucket_length(int(lengths.max()), C)
+    P = bucket_length(int(lengths.max()), S)
     padded = np.zeros((B, P), np.int32)
     for i, r in enumerate(rows):
         padded[i, : len(r)] = r
