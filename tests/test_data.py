@@ -274,3 +274,17 @@ def test_batch_errors() -> None:
         get_batch(TOKENS[:10], seed=0, step=0, batch_size=8, window=17, split="val")
     with pytest.raises(ValueError, match="not divisible by process count 3"):
         batch(process_count=3)
+
+
+def test_slow_stages_say_what_they_do_once_with_a_progress_bar(corpus, tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.setattr(data, "PROGRESS_MIN_CHARS", 0)  # this small corpus gets the bar a big one gets
+    tokenizer = cached_tokenizer("bpe", corpus, 300, tmp_path)
+    prepare_tokens(corpus, tokenizer, tmp_path)
+    err = capsys.readouterr().err
+    assert "building the bpe tokenizer (300 tokens)" in err
+    assert "encoding the corpus into token files" in err
+    assert "encoding: 100%" in err and "1.06k/1.06k" in err  # the bar ran to the end of 1,060 characters
+    assert len("".join(corpus.train + corpus.val)) == 1060
+    cached_tokenizer("bpe", corpus, 300, tmp_path)
+    prepare_tokens(corpus, tokenizer, tmp_path)
+    assert capsys.readouterr().err == ""  # found in the cache: nothing to announce
