@@ -205,10 +205,11 @@ class _CommandListFormatter(argparse.RawDescriptionHelpFormatter):
         return super()._format_action(action)
 
 
-def _command(sub, name: str, help: str, **kwargs) -> argparse.ArgumentParser:
-    """A subcommand whose one-line `help` is both its line in `jaxgpt --help` and its own description."""
-    return sub.add_parser(name, prog=f"jaxgpt {name}", help=help, description=kwargs.pop("description", help),
-                          **kwargs)
+def _command(sub: argparse._SubParsersAction, name: str, line: str, description: str | None = None
+             ) -> argparse.ArgumentParser:
+    """A subcommand: `line` is its line in `jaxgpt --help` (keep it to one) and, unless a longer
+    `description` is given, the head of its own help."""
+    return sub.add_parser(name, prog=f"jaxgpt {name}", help=line, description=description or line)
 
 
 def build_parser() -> argparse.ArgumentParser:
