@@ -194,11 +194,33 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="jaxgpt", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+class _CommandListFormatter(argparse.RawDescriptionHelpFormatter):
+    """`jaxgpt --help`: one line per command, without argparse's "{a,b,c}" header line."""
 
-    dry = sub.add_parser("dry-run", help="validate a config; print its fingerprint, parameter count and logits shape")
+    def __init__(self, prog: str) -> None:
+        super().__init__(prog, max_help_position=16)
+
+    def _format_action(self, action: argparse.Action) -> str:
+        if isinstance(action, argparse._SubParsersAction):
+            return "".join(self._format_action(command) for command in action._get_subactions())
+        return super()._format_action(action)
+
+
+def _command(sub: argparse._SubParsersAction, name: str, line: str, description: str | None = None
+             ) -> argparse.ArgumentParser:
+    """A subcommand: `line` is its line in `jaxgpt --help` (keep it to one) and, unless a longer
+    `description` is given, the head of its own help."""
+    return sub.add_parser(name, prog=f"jaxgpt {name}", help=line, description=description or line)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="jaxgpt", usage="jaxgpt COMMAND [options]", formatter_class=_CommandListFormatter,
+        description="Train, evaluate and sample small GPT-style language models with JAX.",
+        epilog="`jaxgpt COMMAND --help` lists the options of a command.")
+    sub = parser.add_subparsers(title="commands", metavar="COMMAND", dest="command", required=True)
+
+    dry = _command(sub, "dry-run", "check a config: parameters, logits shape, device memory")
     _add_config_args(dry)
     dry.add_argument("--batch-size", type=int, default=1)
     dry.add_argument("--seq-len", type=int, default=None, help="default: model.context_length")
@@ -206,7 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="also compile the train step ahead of time for this mesh and report its memory")
     dry.set_defaults(func=cmd_dry_run)
 
-    tr = sub.add_parser("train", help="train a model into a run directory")
+    tr = _command(sub, "train", "train a model into a run directory, or resume one")
     _add_config_args(tr)
     tr.add_argument("--data", help="data.source: stdlib, a file, a directory, a glob or hf:NAME[:SPLIT]")
     tr.add_argument("--steps", type=int, help="train.steps")
@@ -221,29 +243,35 @@ def build_parser() -> argparse.ArgumentParser:
                          "tokenizer.json the tokenizer, under --config and --set")
     tr.set_defaults(func=cmd_train)
 
-    ev = sub.add_parser("eval", help="validation loss, perplexity and bits per byte of a run")
+    ev = _command(sub, "eval", "validation loss, perplexity and bits per byte of a run")
     ev.add_argument("--run", required=True, help="a run directory")
     ev.add_argument("--data", help="evaluate on another data source with the run's tokenizer")
     ev.add_argument("--batches", type=int, help="number of val batches (default: train.eval_batches)")
     ev.set_defaults(func=cmd_eval)
 
-    gen = sub.add_parser("generate", help="sample text from a run, streamed as it is produced")
+    gen = _command(sub, "generate", "sample text from a run, streamed as it is produced")
     gen.add_argument("--run", required=True, help="a run directory")
-    gen.add_argument("--prompt", default="")
-    gen.add_argument("--max-new-tokens", type=int, default=200)
-    gen.add_argument("--temperature", type=float, default=0.8, help="0 for greedy")
-    gen.add_argument("--top-k", type=int, default=0, help="0 for no top-k")
-    gen.add_argument("--top-p", type=float, default=None)
-    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--prompt", default="", metavar="TEXT", help="the text to continue (default: a newline)")
+    gen.add_argument("--max-new-tokens", type=int, default=200, metavar="N", help="tokens to add (default: 200)")
+    gen.add_argument("--temperature", type=float, default=0.8, metavar="T", help="0 for greedy (default: 0.8)")
+    gen.add_argument("--top-k", type=int, default=0, metavar="K",
+                     help="sample from the K most likely tokens; 0 for all (default: 0)")
+    gen.add_argument("--top-p", type=float, default=None, metavar="P",
+                     help="sample from the fewest tokens whose probabilities sum to P (default: off)")
+    gen.add_argument("--seed", type=int, default=0, metavar="S", help="sampling seed (default: 0)")
     gen.add_argument("--stop", default=None, metavar="TEXT",
-                     help="end the text once this token (TEXT must encode to exactly one token) is produced")
+                     help="end the text once this token (TEXT must encode to exactly one token) is produced "
+                          "(default: off)")
     gen.add_argument("--speculative", action="store_true",
-                     help="MTP self-speculative decoding (greedy; needs model.mtp_depth >= 1): same text, fewer passes")
+                     help="MTP self-speculative decoding (greedy; needs model.mtp_depth >= 1): same text, fewer "
+                          "passes (default: off)")
     gen.add_argument("--stats", action="store_true",
-                     help="print one JSON line to stderr: tokens, seconds, tokens/s, forward passes, acceptance rate")
+                     help="print one JSON line to stderr: tokens, seconds, tokens/s, forward passes, acceptance "
+                          "rate (default: off)")
     gen.set_defaults(func=cmd_generate)
 
-    ben = sub.add_parser("bench", help="benchmarks: JSON per measurement on stdout, a table on stderr")
+    ben = _command(sub, "bench", "benchmarks: step time, tokens/s, MFU, compile, decoding",
+                   description="benchmarks: JSON per measurement on stdout, a table on stderr")
     ben.add_argument("mode", choices=("train", "forward", "compile", "decode", "speculative"),
                      help="train: step time, tokens/s, MFU (remat x dtype); forward: batch-one latency "
                           "at 128..2048 tokens; compile: compile time and memory against depth, remat "
@@ -254,20 +282,21 @@ def build_parser() -> argparse.ArgumentParser:
     ben.add_argument("--repeats", type=int, default=5, help="timed repeats; medians are reported")
     ben.set_defaults(func=cmd_bench)
 
-    sw = sub.add_parser("sweep", help="train variants x seeds (vmapped where only seeds or optimiser values "
-                                      "differ); write results.jsonl, results.md, val_loss.png")
+    sw = _command(sub, "sweep", "train variants x seeds; write a results table and a plot",
+                  description="train variants x seeds (vmapped where only seeds or optimiser values differ); "
+                              "write results.jsonl, results.md, val_loss.png")
     sw.add_argument("sweep", help="a sweep TOML file (format: jaxgpt/sweep.py)")
     sw.add_argument("--seeds", type=int, default=None, help="seeds per variant (default: the file's seeds, else 1)")
     sw.add_argument("--out", default=None, help="output folder (default: runs/sweep-NAME, NAME the file's stem)")
     sw.add_argument("--no-progress", action="store_true", help="no progress bars")
     sw.set_defaults(func=cmd_sweep)
 
-    imp = sub.add_parser("import-hf", help="make a run directory from a Hugging Face GPT-2 or Llama directory")
+    imp = _command(sub, "import-hf", "make a run from a Hugging Face GPT-2 or Llama folder")
     imp.add_argument("hf_dir", help="a directory with config.json and model.safetensors")
     imp.add_argument("--out", required=True, help="the run directory to create")
     imp.set_defaults(func=cmd_import_hf)
 
-    exp = sub.add_parser("export-hf", help="write a run's newest checkpoint as a Hugging Face model directory")
+    exp = _command(sub, "export-hf", "write a run's newest checkpoint as a Hugging Face model")
     exp.add_argument("--run", required=True, help="a run directory")
     exp.add_argument("--out", required=True, help="the Hugging Face directory to write")
     exp.set_defaults(func=cmd_export_hf)

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from tqdm.auto import tqdm
 
 from jaxgpt.config import ModelConfig, RunConfig
 from jaxgpt.rundir import RunDir, write_atomic
@@ -31,6 +32,9 @@ from jaxgpt.tokenizer import BPE, CHAR, Tokenizer, build_tokenizer
 _STDLIB_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__"}
 _TOKEN_FORMAT = 1
 TRAIN_STREAM, VAL_STREAM = 0, 1  # independent batch streams from one seed
+# A corpus at least this long (in characters) takes seconds to prepare: each stage says so in a
+# line, and encoding shows a progress bar. A smaller one is prepared in silence.
+LARGE_CORPUS_CHARS = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -219,6 +223,7 @@ def prepare_tokens(corpus: Corpus, tokenizer: Tokenizer, cache_dir: Path | None 
     folder = Path(cache_dir or default_cache_dir()) / "tokens" / key
     meta = _valid_meta(folder)
     if meta is None:
+        _stage(corpus, f"encoding the corpus into token files in {folder.parent}...")
         meta = _write_tokens(folder, corpus, tokenizer)
     dtype = np.dtype(meta["dtype"])
     splits = {
@@ -246,12 +251,14 @@ def _write_tokens(folder: Path, corpus: Corpus, tokenizer: Tokenizer) -> dict:
     folder.mkdir(parents=True, exist_ok=True)
     dtype = np.dtype(np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32)
     meta: dict = {"format": _TOKEN_FORMAT, "dtype": dtype.name, "vocab_size": tokenizer.vocab_size}
-    for name, docs in (("train", corpus.train), ("val", corpus.val)):
-        ids = np.concatenate(tokenizer.encode_many(docs)).astype(dtype)
-        if ids.size == 0:
-            raise ValueError(f"the {name} split encodes to no tokens")
-        write_atomic(folder / f"{name}.bin", ids.data)
-        meta[f"{name}_tokens"] = int(ids.size)
+    with tqdm(total=_chars(corpus), unit="char", unit_scale=True, desc="encoding", file=sys.stderr,
+              disable=_chars(corpus) < LARGE_CORPUS_CHARS) as bar:
+        for name, docs in (("train", corpus.train), ("val", corpus.val)):
+            ids = np.concatenate(tokenizer.encode_many(docs, progress=bar.update)).astype(dtype)
+            if ids.size == 0:
+                raise ValueError(f"the {name} split encodes to no tokens")
+            write_atomic(folder / f"{name}.bin", ids.data)
+            meta[f"{name}_tokens"] = int(ids.size)
     meta["val_bytes"] = sum(len(doc.encode("utf-8")) for doc in corpus.val)
     write_atomic(folder / "meta.json", json.dumps(meta, indent=1).encode())
     return meta
@@ -272,9 +279,21 @@ def cached_tokenizer(
             pass  # unreadable cache entry: rebuild it
     # BPE learns from train only; char needs every character of val too, or val could not encode.
     texts = corpus.train if spec == BPE else corpus.train + corpus.val
+    _stage(corpus, f"building the {spec} tokenizer ({vocab_size} tokens) from the corpus ({corpus.description})...")
     tokenizer = build_tokenizer(spec, texts, vocab_size)
     tokenizer.save(path)
     return tokenizer
+
+
+def _chars(corpus: Corpus) -> int:
+    return sum(len(doc) for doc in corpus.train) + sum(len(doc) for doc in corpus.val)
+
+
+def _stage(corpus: Corpus, message: str) -> None:
+    """One line on stderr as a slow, once-per-corpus stage starts on a large corpus (later runs find
+    its result cached)."""
+    if _chars(corpus) >= LARGE_CORPUS_CHARS:
+        print(message, file=sys.stderr, flush=True)
 
 
 def get_batch(

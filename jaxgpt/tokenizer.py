@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +25,8 @@ _CHAR_PATTERN = r"[\s\S]"  # one pre-token per code point; `.` would skip newlin
 _NO_UNK = "\uffff<unknown>"
 # Long texts are cut into pieces so the library's batch encoder can spread them over cores.
 _PIECE_CHARS = 1 << 16
+# Characters per call of the batch encoder when someone watches the progress: many pieces per call.
+_PROGRESS_CHARS = 1 << 20
 # The GPT-2 pre-tokenizer regex makes a lone newline between a visible ASCII character and a letter
 # a pre-token of its own, so BPE gives the same ids whether or not the text is cut after it. (After
 # a longer whitespace run it would not: the run splits differently before a letter than at the end.)
@@ -49,13 +51,20 @@ class Tokenizer:
     def encode(self, text: str) -> np.ndarray:
         return self.encode_many([text])[0]
 
-    def encode_many(self, texts: Iterable[str]) -> list[np.ndarray]:
-        """Encode each text to int32 ids, in parallel through the library's batch encoder."""
+    def encode_many(self, texts: Iterable[str], progress: Callable[[int], None] | None = None) -> list[np.ndarray]:
+        """Encode each text to int32 ids, in parallel through the library's batch encoder.
+
+        `progress`, if given, is called with the number of characters encoded after each call of
+        the encoder (about a megabyte of text each)."""
         texts = list(texts)
         pieces_per_text = [self._pieces(text) for text in texts]
         flat = [piece for pieces in pieces_per_text for piece in pieces]
+        encodings = []
         try:
-            encodings = self._hf.encode_batch_fast(flat, add_special_tokens=False)
+            for batch in ([flat] if progress is None else _batches(flat, _PROGRESS_CHARS)):
+                encodings.extend(self._hf.encode_batch_fast(batch, add_special_tokens=False))
+                if progress is not None:
+                    progress(sum(map(len, batch)))
         except Exception as err:  # the library raises bare Exception/TypeError with vague messages
             raise self._explain_failure(texts, err) from None
         out, i = [], 0
@@ -126,6 +135,19 @@ class Tokenizer:
                         "(it knows only the characters of its training text)"
                     )
         return ValueError(f"cannot encode text: {err}")
+
+
+def _batches(pieces: list[str], chars: int) -> Iterable[list[str]]:
+    """Consecutive runs of `pieces` of about `chars` characters each."""
+    batch, size = [], 0
+    for piece in pieces:
+        batch.append(piece)
+        size += len(piece)
+        if size >= chars:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
 
 
 def _cut_rule(config: dict) -> str | None:

@@ -151,7 +151,8 @@ def train(cfg: RunConfig, out_dir: str | Path = "runs/default", *, resume: bool 
     if resume and files.config.is_file():
         check_config_change(load_run_config(run_dir), cfg, run_dir, force)
     elif not resume and has_checkpoints:
-        raise ValueError(f"{run_dir} already holds a run; use --resume to continue it or another --out")
+        raise ValueError(f"{run_dir} already holds a run; continue it with `jaxgpt train --out {run_dir} --resume` "
+                         "(and the same --config/--set/--data), or choose another --out")
     data = prepare_data(cfg, run_dir)
     runtime = make_runtime(cfg)
     if init_from is not None and not (resume and has_checkpoints):
@@ -202,6 +203,8 @@ def _loop(cfg: RunConfig, run_dir: Path, data: RunData, state: TrainState, runti
               + (f", mesh {layout['mesh']}, per device: params {layout['params_bytes_per_device']:,} B, "
                  f"optimiser state {layout['opt_state_bytes_per_device']:,} B" if "mesh" in layout else ""),
               file=sys.stderr)
+        if start < total:  # the first step compiles, which takes seconds to minutes with no other output
+            print("compiling the train step...", file=sys.stderr, flush=True)
     with MetricsWriter(run_dir, enabled=main_process) as writer, tqdm(total=total, initial=start, disable=not progress,
                                                  desc=run_dir.name, unit="step", dynamic_ncols=True) as bar:
         if start == 0:

@@ -72,6 +72,8 @@ def test_stdlib_corpus_is_deterministic_and_split_by_path() -> None:
     again = load_corpus("stdlib", 0.1)
     assert corpus == again and corpus.train == again.train and corpus.val == again.val
     assert len(corpus.train) > 100 and len(corpus.val) > 10
+    # the default corpus is large: a first run announces its stages and shows the encoding bar
+    assert sum(map(len, corpus.train + corpus.val)) >= data.LARGE_CORPUS_CHARS
     root = Path(sysconfig.get_paths()["stdlib"])
     val, train = set(corpus.val), set(corpus.train)
     checked = 0
@@ -274,3 +276,20 @@ def test_batch_errors() -> None:
         get_batch(TOKENS[:10], seed=0, step=0, batch_size=8, window=17, split="val")
     with pytest.raises(ValueError, match="not divisible by process count 3"):
         batch(process_count=3)
+
+
+def test_slow_stages_say_what_they_do_once_with_a_progress_bar(corpus, tmp_path, monkeypatch, capsys) -> None:
+    tokenizer = cached_tokenizer("bpe", corpus, 300, tmp_path / "small")
+    prepare_tokens(corpus, tokenizer, tmp_path / "small")
+    assert capsys.readouterr().err == ""  # a small corpus is ready at once: nothing to announce
+    monkeypatch.setattr(data, "LARGE_CORPUS_CHARS", 1000)  # this corpus, 1,060 characters, is now large
+    tokenizer = cached_tokenizer("bpe", corpus, 300, tmp_path)
+    prepare_tokens(corpus, tokenizer, tmp_path)
+    err = capsys.readouterr().err
+    assert "building the bpe tokenizer (300 tokens)" in err
+    assert "encoding the corpus into token files" in err
+    assert "encoding: 100%" in err and "1.06k/1.06k" in err  # the bar ran to the end of 1,060 characters
+    assert len("".join(corpus.train + corpus.val)) == 1060
+    cached_tokenizer("bpe", corpus, 300, tmp_path)
+    prepare_tokens(corpus, tokenizer, tmp_path)
+    assert capsys.readouterr().err == ""  # found in the cache: nothing to announce

@@ -80,6 +80,17 @@ def test_encode_many_matches_encode(bpe: Tokenizer) -> None:
         np.testing.assert_array_equal(ids, bpe.encode(text))
 
 
+def test_encode_many_reports_progress_without_changing_the_ids(bpe: Tokenizer, monkeypatch) -> None:
+    texts = ["", "a", *CORPUS, "\n".join(CORPUS) * 50]
+    expected = bpe.encode_many(texts)
+    monkeypatch.setattr(tokenizer_module, "_PROGRESS_CHARS", 20)  # a call of the encoder per few texts
+    monkeypatch.setattr(tokenizer_module, "_PIECE_CHARS", 64)  # the long text in many pieces
+    reports: list[int] = []
+    for ids, want in zip(bpe.encode_many(texts, progress=reports.append), expected, strict=True):
+        np.testing.assert_array_equal(ids, want)
+    assert len(reports) > 3 and sum(reports) == sum(map(len, texts))
+
+
 def test_bpe_vocab_too_small_for_bytes() -> None:
     with pytest.raises(ValueError, match="model.vocab_size = 256"):
         build_tokenizer("bpe", CORPUS, 256)

@@ -36,9 +36,11 @@ def finished_run(tmp_path_factory):
     corpus = write_corpus(folder / "corpus.txt")
     out = folder / "run"
     with pytest.MonkeyPatch.context() as patch:
-        printed = io.StringIO()
+        printed, stages = io.StringIO(), io.StringIO()
         patch.setattr(sys, "stdout", printed)
+        patch.setattr(sys, "stderr", stages)
         assert main(["train", *TINY, "--data", str(corpus), "--steps", "20", "--out", str(out), "--no-progress"]) == 0
+    assert "compiling the train step..." in stages.getvalue()  # the silent seconds before step 1 are named
     lines = printed.getvalue().splitlines()
     assert lines[0] == "--- sample at step 20 ---" and json.loads(lines[-1])["step"] == 20
     return out, corpus
@@ -84,7 +86,7 @@ def test_eval_and_generate_on_the_finished_run(finished_run, capsys):
 def test_a_second_run_into_the_same_directory_is_refused(finished_run, capsys):
     run, corpus = finished_run
     assert main(["train", *TINY, "--data", str(corpus), "--steps", "20", "--out", str(run)]) == 2
-    assert "--resume" in capsys.readouterr().err
+    assert f"continue it with `jaxgpt train --out {run} --resume`" in capsys.readouterr().err  # the command to run
 
 
 def test_nan_guard_stops_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):
