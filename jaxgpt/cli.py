@@ -61,13 +61,17 @@ def cmd_train(args: argparse.Namespace) -> int:
     base, hf_dir = None, None
     if args.init_from is not None:
         from jaxgpt.config import DataConfig, RunConfig
-        from jaxgpt.hf import model_config, resolve_source
+        from jaxgpt.hf import model_config, resolve_source, tokenizer_source
 
         hf_dir = resolve_source(args.init_from)
-        tokenizer = hf_dir / "tokenizer.json"  # the checkpoint's own tokenizer, when it ships one
-        data = DataConfig(tokenizer=str(tokenizer.absolute())) if tokenizer.is_file() else DataConfig()
+        own_tokenizer = tokenizer_source(hf_dir)  # pretrained weights mean nothing under another one
+        data = DataConfig(tokenizer=own_tokenizer) if own_tokenizer else DataConfig()
         base = RunConfig(model=model_config(hf_dir), data=data)
     cfg = load_config(args.config, overrides, base=base)
+    if hf_dir is not None and own_tokenizer is None and cfg.data.tokenizer in ("bpe", "char"):
+        raise ValueError(f"--init-from {args.init_from}: the folder has no tokenizer.json (nor GPT-2's "
+                         "vocab.json + merges.txt), and a new tokenizer would not match its weights; "
+                         "add one, or name one with --set data.tokenizer=PATH")
     summary = train(cfg, out_dir=args.out, resume=args.resume, force=args.force, progress=not args.no_progress,
                     init_from=hf_dir)
     samples = [r for r in read_metrics(Path(args.out) / "metrics.jsonl") if r["type"] == "sample"]

@@ -211,10 +211,24 @@ def import_hf(hf_dir: str | Path) -> tuple[ModelConfig, Params]:
     return cfg, jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float32), params)
 
 
+TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "merges.txt")
+
+
+def tokenizer_source(hf_dir: str | Path) -> str | None:
+    """What `data.tokenizer` names for the folder's own tokenizer: its tokenizer.json, or the folder
+    itself when it holds GPT-2's vocab.json + merges.txt (`Tokenizer.load` reads either); else None."""
+    from jaxgpt.tokenizer import has_vocab_and_merges
+
+    folder = Path(hf_dir).absolute()
+    if (folder / "tokenizer.json").is_file():
+        return str(folder / "tokenizer.json")
+    return str(folder) if has_vocab_and_merges(folder) else None
+
+
 def resolve_source(source: str | Path) -> Path:
     """A local Hugging Face model directory, downloading `source` from the hub if it names no directory.
 
-    The download (config.json, safetensors weights, tokenizer.json) goes through
+    The download (config.json, safetensors weights, tokenizer files) goes through
     `huggingface_hub.snapshot_download` into its usual cache, so it needs network access to the
     hub; offline, a local directory is the only way in.
     """
@@ -229,7 +243,7 @@ def resolve_source(source: str | Path) -> Path:
         raise ImportError(f"{source} is no local directory, and downloading it from the hub needs "
                           "`huggingface_hub` (pip install huggingface_hub)") from None
     try:
-        return Path(snapshot_download(str(source), allow_patterns=["config.json", "*.safetensors", "tokenizer.json"]))
+        return Path(snapshot_download(str(source), allow_patterns=["config.json", "*.safetensors", *TOKENIZER_FILES]))
     except Exception as err:  # the hub raises many kinds (offline, not found, gated, HTTP)
         raise FileNotFoundError(f"{source} is no local directory and could not be downloaded from the "
                                 f"Hugging Face hub ({type(err).__name__}: {err})") from None
@@ -388,19 +402,19 @@ def import_hf_run(hf_dir: str | Path, out_dir: str | Path) -> Path:
     hf_dir, run_dir = Path(hf_dir), Path(out_dir)
     if (run_dir / "checkpoints").exists() or (run_dir / "config.toml").exists():
         raise ValueError(f"{run_dir} already holds a run; choose another --out")
+    from jaxgpt.tokenizer import Tokenizer
+
     model, params = import_hf(hf_dir)
-    tokenizer_src = hf_dir / "tokenizer.json"
-    data = DataConfig(tokenizer=str((run_dir / "tokenizer.json").absolute())) if tokenizer_src.is_file() \
-        else DataConfig()
+    source = tokenizer_source(hf_dir)
+    tokenizer = Tokenizer.load(source) if source is not None else None
+    data = DataConfig(tokenizer=str((run_dir / "tokenizer.json").absolute())) if tokenizer else DataConfig()
     cfg = RunConfig(model=model, data=data)
     state = state_from_params(cfg, params)
     run_dir.mkdir(parents=True, exist_ok=True)
     manifest: dict[str, Any] = {"config": cfg.to_dict(), "imported_from": str(hf_dir.absolute())}
-    if tokenizer_src.is_file():
-        shutil.copyfile(tokenizer_src, run_dir / "tokenizer.json")
-        from jaxgpt.tokenizer import Tokenizer
-
-        manifest["tokenizer_sha256"] = Tokenizer.load(run_dir / "tokenizer.json").fingerprint
+    if tokenizer is not None:
+        tokenizer.save(run_dir / "tokenizer.json")
+        manifest["tokenizer_sha256"] = tokenizer.fingerprint
     (run_dir / "config.toml").write_text(cfg.to_toml(), encoding="utf-8")
     checkpointer = Checkpointer(run_dir, keep=cfg.train.keep_checkpoints)
     try:

@@ -27,9 +27,9 @@ def _save(model, path):
     return path
 
 
-def _gpt2(path):
+def _gpt2(path, vocab=VOCAB):
     torch.manual_seed(0)
-    config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=2, n_head=4,
+    config = transformers.GPT2Config(vocab_size=vocab, n_positions=64, n_embd=32, n_layer=2, n_head=4,
                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     model = transformers.GPT2LMHeadModel(config)
     with torch.no_grad():  # GPT-2 inits biases and norms to constants; make every weight matter
@@ -256,3 +256,63 @@ def test_init_from_a_name_that_is_no_directory_explains_the_download(tmp_path, m
     (tmp_path / "file").write_text("x")
     with pytest.raises(NotADirectoryError):
         resolve_source(tmp_path / "file")
+
+
+# ------------------------------------------------------------ train --init-from: the folder's tokenizer
+
+def test_init_from_without_a_tokenizer_stops_before_writing(tmp_path, capsys):
+    from jaxgpt.cli import main
+
+    hf_dir = _gpt2(tmp_path / "hf")  # config.json and weights, no tokenizer files
+    capsys.readouterr()
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the cat sat on the mat\n" * 50, encoding="utf-8")
+    run = tmp_path / "run"
+    args = ["train", "--init-from", str(hf_dir), "--data", str(corpus), "--out", str(run), "--steps", "1",
+            "--no-progress", "--set", "train.batch_size=2", "--set", "train.eval_every=1",
+            "--set", "train.eval_batches=1", "--set", "train.sample_tokens=0"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no tokenizer.json" in err and "data.tokenizer" in err
+    assert not run.exists()
+
+
+def _gpt2_vocab_and_merges(folder, corpus):
+    """GPT-2's tokenizer files (vocab.json with <|endoftext|> last, merges.txt) for a BPE learned on `corpus`."""
+    from jaxgpt.tokenizer import train_bpe
+
+    model = json.loads(train_bpe([corpus], 300).save(folder / "bpe.json").read_text())["model"]
+    (folder / "bpe.json").unlink()
+    vocab = {**model["vocab"], "<|endoftext|>": len(model["vocab"])}
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
+    (folder / "vocab.json").write_text(json.dumps(vocab), encoding="utf-8")
+    (folder / "merges.txt").write_text("#version: 0.2\n" + "".join(m + "\n" for m in merges), encoding="utf-8")
+    return len(vocab)
+
+
+def test_init_from_uses_gpt2_vocab_and_merges(tmp_path, monkeypatch):
+    from jaxgpt.cli import main
+    from jaxgpt.tokenizer import build_tokenizer
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the cat sat on the mat, and the dog ran to it!\n\n" * 30, encoding="utf-8")
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir()
+    vocab = _gpt2_vocab_and_merges(hf_dir, corpus.read_text())
+    _gpt2(hf_dir, vocab=vocab)
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def train(cfg, **kwargs):  # the run itself is another test's matter: stop once the config is known
+        seen["cfg"] = cfg
+        raise Stop
+
+    monkeypatch.setattr("jaxgpt.train.train", train)
+    with pytest.raises(Stop):
+        main(["train", "--init-from", str(hf_dir), "--data", str(corpus), "--out", str(tmp_path / "run")])
+    ours = build_tokenizer(seen["cfg"].data.tokenizer, [], vocab)
+    theirs = transformers.GPT2Tokenizer(str(hf_dir / "vocab.json"), str(hf_dir / "merges.txt"))
+    for text in ["the cat sat", " the dog  ran\n\nto it!<|endoftext|>Then", "naïve café 🙂\t\r\n", "QQQ zz"]:
+        assert ours.encode(text).tolist() == theirs(text)["input_ids"], repr(text)
