@@ -173,16 +173,17 @@ def cmd_import_hf(args: argparse.Namespace) -> int:
 
 def cmd_export_hf(args: argparse.Namespace) -> int:
     from jaxgpt.checkpoint import load_run
-    from jaxgpt.hf import export_hf
+    from jaxgpt.hf import check_export_dir, dropped_on_export, export_hf
 
+    check_export_dir(args.out, args.force)  # before the checkpoint is read: a refusal costs nothing
     model, params = load_run(args.run)
-    out = export_hf(model, params, args.out)
     tokenizer = Path(args.run) / "tokenizer.json"
-    if tokenizer.is_file():
-        import shutil
-
-        shutil.copyfile(tokenizer, out / "tokenizer.json")
-    print(json.dumps({"hf_dir": str(out), "from": args.run}))
+    out = export_hf(model, params, args.out, tokenizer=tokenizer if tokenizer.is_file() else None, force=args.force)
+    dropped = dropped_on_export(params)
+    if dropped:
+        print(f"note: not exported: MTP adapters {', '.join(dropped)} (GPT-2 and Llama have no "
+              "multi-token prediction heads)", file=sys.stderr)
+    print(json.dumps({"hf_dir": str(out), "from": args.run, "dropped": dropped}))
     return 0
 
 
@@ -272,7 +273,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     exp = sub.add_parser("export-hf", help="write a run's newest checkpoint as a Hugging Face model directory")
     exp.add_argument("--run", required=True, help="a run directory")
-    exp.add_argument("--out", required=True, help="the Hugging Face directory to write")
+    exp.add_argument("--out", required=True, help="the Hugging Face directory to write (new or empty)")
+    exp.add_argument("--force", action="store_true", help="write into a non-empty --out, replacing its model files")
     exp.set_defaults(func=cmd_export_hf)
     return parser
 
