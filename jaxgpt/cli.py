@@ -62,13 +62,17 @@ def cmd_train(args: argparse.Namespace) -> int:
     base, hf_dir = None, None
     if args.init_from is not None:
         from jaxgpt.config import DataConfig, RunConfig
-        from jaxgpt.hf import model_config, resolve_source
+        from jaxgpt.hf import model_config, resolve_source, tokenizer_source
 
         hf_dir = resolve_source(args.init_from)
-        tokenizer = hf_dir / "tokenizer.json"  # the checkpoint's own tokenizer, when it ships one
-        data = DataConfig(tokenizer=str(tokenizer.absolute())) if tokenizer.is_file() else DataConfig()
+        own_tokenizer = tokenizer_source(hf_dir)  # pretrained weights mean nothing under another one
+        data = DataConfig(tokenizer=own_tokenizer) if own_tokenizer else DataConfig()
         base = RunConfig(model=model_config(hf_dir), data=data)
     cfg = load_config(args.config, overrides, base=base)
+    if hf_dir is not None and own_tokenizer is None and cfg.data.tokenizer in ("bpe", "char"):
+        raise ValueError(f"--init-from {args.init_from}: the folder has no tokenizer.json (nor GPT-2's "
+                         "vocab.json + merges.txt), and a new tokenizer would not match its weights; "
+                         "add one, or name one with --set data.tokenizer=PATH")
     summary = train(cfg, out_dir=args.out, resume=args.resume, force=args.force, progress=not args.no_progress,
                     init_from=hf_dir)
     samples = [r for r in read_metrics(RunDir(args.out).metrics) if r["type"] == "sample"]
@@ -170,16 +174,17 @@ def cmd_import_hf(args: argparse.Namespace) -> int:
 
 def cmd_export_hf(args: argparse.Namespace) -> int:
     from jaxgpt.checkpoint import load_run
-    from jaxgpt.hf import export_hf
+    from jaxgpt.hf import check_export_dir, dropped_on_export, export_hf
 
+    check_export_dir(args.out, args.force)  # before the checkpoint is read: a refusal costs nothing
     model, params = load_run(args.run)
-    out = export_hf(model, params, args.out)
     tokenizer = RunDir(args.run).tokenizer
-    if tokenizer.is_file():
-        import shutil
-
-        shutil.copyfile(tokenizer, out / "tokenizer.json")
-    print(json.dumps({"hf_dir": str(out), "from": args.run}))
+    out = export_hf(model, params, args.out, tokenizer=tokenizer if tokenizer.is_file() else None, force=args.force)
+    dropped = dropped_on_export(params)
+    if dropped:
+        print(f"note: not exported: MTP adapters {', '.join(dropped)} (GPT-2 and Llama have no "
+              "multi-token prediction heads)", file=sys.stderr)
+    print(json.dumps({"hf_dir": str(out), "from": args.run, "dropped": dropped}))
     return 0
 
 
@@ -298,7 +303,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     exp = _command(sub, "export-hf", "write a run's newest checkpoint as a Hugging Face model")
     exp.add_argument("--run", required=True, help="a run directory")
-    exp.add_argument("--out", required=True, help="the Hugging Face directory to write")
+    exp.add_argument("--out", required=True, help="the Hugging Face directory to write (new or empty)")
+    exp.add_argument("--force", action="store_true", help="write into a non-empty --out, replacing its model files")
     exp.set_defaults(func=cmd_export_hf)
     return parser
 

@@ -92,7 +92,10 @@ class Tokenizer:
 
     @classmethod
     def load(cls, path: str | Path, kind: str = FILE) -> Tokenizer:
+        """A tokenizer.json, or a directory holding one or GPT-2's vocab.json + merges.txt."""
         path = Path(path)
+        if path.is_dir() and not (path / "tokenizer.json").is_file() and has_vocab_and_merges(path):
+            return cls(_byte_level_bpe(path / VOCAB_FILE, path / MERGES_FILE), kind)
         if path.is_dir():
             path = path / "tokenizer.json"
         if not path.is_file():
@@ -148,6 +151,29 @@ def _batches(pieces: list[str], chars: int) -> Iterable[list[str]]:
             batch, size = [], 0
     if batch:
         yield batch
+
+
+VOCAB_FILE, MERGES_FILE = "vocab.json", "merges.txt"
+# GPT-2's end-of-text token: its vocab.json lists it among the ordinary tokens, its tokenizers treat
+# it as special (the text "<|endoftext|>" encodes to its one id).
+_GPT2_SPECIAL = "<|endoftext|>"
+
+
+def has_vocab_and_merges(folder: Path) -> bool:
+    return (folder / VOCAB_FILE).is_file() and (folder / MERGES_FILE).is_file()
+
+
+def _byte_level_bpe(vocab_path: Path, merges_path: Path) -> HFTokenizer:
+    """GPT-2's tokenizer from its vocab.json + merges.txt: the byte-level BPE its tokenizer.json holds."""
+    try:
+        hf = HFTokenizer(models.BPE.from_file(str(vocab_path), str(merges_path)))
+    except Exception as err:
+        raise ValueError(f"{vocab_path.parent}: cannot read {VOCAB_FILE} + {MERGES_FILE}: {err}") from None
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    if hf.token_to_id(_GPT2_SPECIAL) is not None:
+        hf.add_special_tokens([_GPT2_SPECIAL])
+    return hf
 
 
 def _cut_rule(config: dict) -> str | None:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -27,9 +30,9 @@ def _save(model, path):
     return path
 
 
-def _gpt2(path):
+def _gpt2(path, vocab=VOCAB):
     torch.manual_seed(0)
-    config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=2, n_head=4,
+    config = transformers.GPT2Config(vocab_size=vocab, n_positions=64, n_embd=32, n_layer=2, n_head=4,
                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     model = transformers.GPT2LMHeadModel(config)
     with torch.no_grad():  # GPT-2 inits biases and norms to constants; make every weight matter
@@ -125,15 +128,26 @@ def test_export_round_trip(hf_model, tmp_path):
     jax.tree_util.tree_map(np.testing.assert_array_equal, params2, params)
 
 
+def _perturbed(params, seed, std=0.05):
+    """Params whose biases and norm weights are not their constant initial values, so each one counts."""
+    rng = np.random.default_rng(seed)
+    return jax.tree_util.tree_map(lambda leaf: np.asarray(leaf) + rng.normal(0, std, leaf.shape).astype(np.float32),
+                                  params)
+
+
 def test_native_model_exports(tmp_path):
-    """A model trained here (not imported) with Llama's options exports to the same logits."""
+    """A model trained here (not imported) with Llama's options, biases included, exports to the same logits."""
     cfg = ModelConfig(vocab_size=VOCAB, context_length=32, d_model=32, n_heads=4, kv_heads=1, position="rope",
-                      norm="rmsnorm", feed_forward="swiglu", tie_embeddings=False, rope_scale=4.0)
-    params = init_params(cfg, jax.random.key(3))
+                      norm="rmsnorm", feed_forward="swiglu", tie_embeddings=False, rope_scale=4.0, bias=True)
+    params = _perturbed(init_params(cfg, jax.random.key(3)), 3)
     export_hf(cfg, params, tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["attention_bias"] is True
     tokens = _tokens(3)
     diff = np.abs(_hf_logits(tmp_path, tokens) - np.asarray(forward(params, cfg, tokens))).max()
     assert diff <= TOL
+    cfg2, params2 = import_hf(tmp_path)
+    assert cfg2 == cfg
+    jax.tree_util.tree_map(np.testing.assert_array_equal, params2, params)
 
 
 def _edit_config(path, **changes):
@@ -147,7 +161,7 @@ def _edit_config(path, **changes):
     ("gpt2", {"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx"),
     ("gpt2", {"activation_function": "relu"}, "activation_function"),
     ("llama", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}, "rope_parameters": None}, "rope_scaling"),
-    ("llama", {"attention_bias": True}, "attention_bias"),
+    ("llama", {"attention_bias": True, "mlp_bias": False}, "attention_bias"),
     ("llama", {"head_dim": 16}, "head_dim"),
     ("llama", {"model_type": "mistral"}, "model_type"),
 ])
@@ -160,14 +174,17 @@ def test_unsupported_options_are_named(tmp_path, family, change, option):
 
 @pytest.mark.parametrize("options, option", [
     ({"residual": "post"}, "residual"),
-    ({"mtp_depth": 1}, "mtp_depth"),
     ({"norm": "rmsnorm", "bias": True}, "norm"),
+    ({"feed_forward": "swiglu"}, "feed_forward"),
     ({"position": "rope", "norm": "layernorm"}, "norm"),
 ])
 def test_unexportable_configs(tmp_path, options, option):
+    """What neither GPT-2 nor Llama holds is refused, in one line, before the params are looked at."""
     cfg = ModelConfig(vocab_size=VOCAB, context_length=16, d_model=16, n_layers=1, n_heads=2, **options)
-    with pytest.raises(ValueError, match=option):
-        export_hf(cfg, init_params(cfg, jax.random.key(0)), tmp_path)
+    with pytest.raises(ValueError, match=option) as refused:
+        export_hf(cfg, {}, tmp_path / "out")
+    assert "\n" not in str(refused.value)
+    assert not (tmp_path / "out").exists()
 
 
 def test_import_run_loads(tmp_path):
@@ -256,3 +273,157 @@ def test_init_from_a_name_that_is_no_directory_explains_the_download(tmp_path, m
     (tmp_path / "file").write_text("x")
     with pytest.raises(NotADirectoryError):
         resolve_source(tmp_path / "file")
+
+
+# ------------------------------------------------------------ export-hf of a run trained here
+
+CHAR_CORPUS = "The cat sat on the mat.\n\tTabs,  two spaces,\n\n\nthree newlines; digits 0123!\n"
+EXPORTED = {  # learned positions: exported as GPT-2, with zero biases, repeated K/V heads, no MTP
+    "default": {},
+    "untied_gqa_mtp": {"tie_embeddings": False, "kv_heads": 2, "mtp_depth": 1},
+}
+
+
+def _export_run(run, out, *extra):
+    """`jaxgpt export-hf` on `run`: (exit status, stdout, stderr)."""
+    from jaxgpt.cli import main
+
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        status = main(["export-hf", "--run", str(run), "--out", str(out), *extra])
+    return status, stdout.getvalue(), stderr.getvalue()
+
+
+@pytest.fixture(scope="module", params=list(EXPORTED))
+def exported_run(request, tmp_path_factory):
+    """A run's model (the defaults but for size) with a char tokenizer, exported by the CLI once.
+
+    The run's checkpoint is stood in for by patching `load_run`: what is tested is the export.
+    """
+    from jaxgpt.tokenizer import build_char
+
+    cfg = ModelConfig(vocab_size=VOCAB, context_length=32, d_model=32, n_heads=4, **EXPORTED[request.param])
+    shapes = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))  # traced, not compiled
+    params = _perturbed(jax.tree_util.tree_map(lambda s: np.zeros(s.shape, np.float32), shapes), 5, std=0.3)
+    folder = tmp_path_factory.mktemp(request.param)
+    run, out = folder / "run", folder / "hf"
+    tokenizer = build_char([CHAR_CORPUS], VOCAB)
+    tokenizer.save(run / "tokenizer.json")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("jaxgpt.checkpoint.load_run", lambda path: (cfg, params))
+        status, stdout, stderr = _export_run(run, out)
+        refused = _export_run(run, out)  # the same --out again, now not empty
+    assert status == 0, stderr
+    return cfg, params, tokenizer, run, out, stdout, stderr, refused
+
+
+def test_default_config_exports_as_gpt2(exported_run):
+    cfg, params, _, _, out, stdout, stderr, _ = exported_run
+    assert json.loads((out / "config.json").read_text())["model_type"] == "gpt2"
+    tokens = _tokens(6, length=32)
+    ours = np.asarray(forward(params, cfg, tokens))
+    diff = float(np.abs(_hf_logits(out, tokens) - ours).max())
+    assert diff <= TOL
+    assert float(np.abs(ours).max()) > 0.05
+    if cfg.mtp_depth:  # what is left out is said, on stderr and in the JSON line
+        assert "mtp_0" in stderr and "not exported" in stderr
+        assert json.loads(stdout)["dropped"] == ["mtp_0"]
+    else:
+        assert stderr == "" and json.loads(stdout)["dropped"] == []
+
+
+TOKENIZER_TEXTS = ["The cat sat on the mat.", "  leading and trailing  ", "\n", "\n\n\n\t\ts", "",
+                   "digits 0123 thhhe  ,,;;!\n\n", CHAR_CORPUS * 3]
+
+
+def test_exported_char_tokenizer_gives_the_runs_ids(exported_run):
+    _, _, tokenizer, _, out, _, _, _ = exported_run
+    auto = transformers.AutoTokenizer.from_pretrained(out)
+    for text in TOKENIZER_TEXTS:
+        ids = auto(text)["input_ids"]
+        assert ids == tokenizer.encode(text).tolist(), repr(text)
+        assert auto.decode(ids) == tokenizer.decode(ids) == text
+    for unseen in ("café", "The fox", "\r\n"):  # characters outside the corpus: neither gives ids
+        with pytest.raises(ValueError, match="not in the char tokenizer's vocabulary"):
+            tokenizer.encode(unseen)
+        with pytest.raises(Exception, match="UNK|unknown|Missing"):
+            auto(unseen)
+
+
+def test_export_into_a_non_empty_folder_needs_force(exported_run, tmp_path, monkeypatch):
+    cfg, params, _, run, out, _, _, (status, _, stderr) = exported_run
+    assert status == 2
+    assert stderr.count("\n") == 1 and "--force" in stderr and "not empty" in stderr
+    target = tmp_path / "hf"
+    shutil.copytree(out, target)
+    (target / "tokenizer.json").unlink()
+    (target / "notes.txt").write_text("the user's")
+    weights = (target / "model.safetensors").read_bytes()
+    monkeypatch.setattr("jaxgpt.checkpoint.load_run", lambda path: (cfg, params))
+    assert _export_run(run, target)[0] == 2
+    assert (target / "model.safetensors").read_bytes() == weights and not (target / "tokenizer.json").exists()
+    assert _export_run(run, target, "--force")[0] == 0
+    assert (target / "tokenizer.json").is_file() and (target / "notes.txt").read_text() == "the user's"
+    (tmp_path / "file").write_text("x")
+    status, _, stderr = _export_run(run, tmp_path / "file")
+    assert status == 2 and "is a file" in stderr
+
+
+# ------------------------------------------------------------ train --init-from: the folder's tokenizer
+
+def test_init_from_without_a_tokenizer_stops_before_writing(tmp_path, capsys):
+    from jaxgpt.cli import main
+
+    hf_dir = _gpt2(tmp_path / "hf")  # config.json and weights, no tokenizer files
+    capsys.readouterr()
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the cat sat on the mat\n" * 50, encoding="utf-8")
+    run = tmp_path / "run"
+    args = ["train", "--init-from", str(hf_dir), "--data", str(corpus), "--out", str(run), "--steps", "1",
+            "--no-progress", "--set", "train.batch_size=2", "--set", "train.eval_every=1",
+            "--set", "train.eval_batches=1", "--set", "train.sample_tokens=0"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no tokenizer.json" in err and "data.tokenizer" in err
+    assert not run.exists()
+
+
+def _gpt2_vocab_and_merges(folder, corpus):
+    """GPT-2's tokenizer files (vocab.json with <|endoftext|> last, merges.txt) for a BPE learned on `corpus`."""
+    from jaxgpt.tokenizer import train_bpe
+
+    model = json.loads(train_bpe([corpus], 300).save(folder / "bpe.json").read_text())["model"]
+    (folder / "bpe.json").unlink()
+    vocab = {**model["vocab"], "<|endoftext|>": len(model["vocab"])}
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
+    (folder / "vocab.json").write_text(json.dumps(vocab), encoding="utf-8")
+    (folder / "merges.txt").write_text("#version: 0.2\n" + "".join(m + "\n" for m in merges), encoding="utf-8")
+    return len(vocab)
+
+
+def test_init_from_uses_gpt2_vocab_and_merges(tmp_path, monkeypatch):
+    from jaxgpt.cli import main
+    from jaxgpt.tokenizer import build_tokenizer
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the cat sat on the mat, and the dog ran to it!\n\n" * 30, encoding="utf-8")
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir()
+    vocab = _gpt2_vocab_and_merges(hf_dir, corpus.read_text())
+    _gpt2(hf_dir, vocab=vocab)
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def train(cfg, **kwargs):  # the run itself is another test's matter: stop once the config is known
+        seen["cfg"] = cfg
+        raise Stop
+
+    monkeypatch.setattr("jaxgpt.train.train", train)
+    with pytest.raises(Stop):
+        main(["train", "--init-from", str(hf_dir), "--data", str(corpus), "--out", str(tmp_path / "run")])
+    ours = build_tokenizer(seen["cfg"].data.tokenizer, [], vocab)
+    theirs = transformers.GPT2Tokenizer(str(hf_dir / "vocab.json"), str(hf_dir / "merges.txt"))
+    for text in ["the cat sat", " the dog  ran\n\nto it!<|endoftext|>Then", "naïve café 🙂\t\r\n", "QQQ zz"]:
+        assert ours.encode(text).tolist() == theirs(text)["input_ids"], repr(text)
