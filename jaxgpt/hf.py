@@ -515,7 +515,7 @@ def import_hf_run(hf_dir: str | Path, out_dir: str | Path) -> Path:
     run_dir.mkdir(parents=True, exist_ok=True)
     manifest: dict[str, Any] = {"config": cfg.to_dict(), "imported_from": str(hf_dir.absolute())}
     if tokenizer is not None:
-        tokenizer.savefiles.tokenizer
+        tokenizer.save(files.tokenizer)
         manifest["tokenizer_sha256"] = tokenizer.fingerprint
     write_atomic(files.config, cfg.to_toml())
     checkpointer = Checkpointer(run_dir, keep=cfg.train.keep_checkpoints)
