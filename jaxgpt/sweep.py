@@ -372,7 +372,7 @@ def write_report(sweep: Sweep, records: list[dict[str, Any]], out: Path) -> None
               f"variant: {common}.\n\nVal bits per byte at the last step (lower is better), mean over seeds. "
               f"Seed spread is max − min over seeds; the verdict is better/worse only when |gap| exceeds "
               f"the baseline's ({sweep.baseline}) seed spread.\n\n")
-    _write_atomic(out / "results.md", header + markdown_table(rows))
+    write_atomic(out / "results.md", header + markdown_table(rows))
     plot_curves(sweep, records, out / "val_loss.png")
 
 
