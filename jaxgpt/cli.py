@@ -47,6 +47,13 @@ def cmd_dry_run(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from jaxgpt import signals
+
+    with signals.handled():  # from the start: a signal during the imports below is kept for later
+        return _train(args)
+
+
+def _train(args: argparse.Namespace) -> int:
     from jaxgpt.parallel import maybe_initialize_distributed
 
     maybe_initialize_distributed()  # before anything else touches the devices
@@ -311,6 +318,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         message = str(err).splitlines()[0] if str(err) else type(err).__name__
         print(f"jaxgpt {args.command}: error: {message}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as err:
+        from jaxgpt.signals import Stopped
+
+        if isinstance(err, Stopped):
+            print(f"jaxgpt {args.command}: {err}", file=sys.stderr)
+            return err.exit_code
         print(f"jaxgpt {args.command}: interrupted", file=sys.stderr)
         return 130

@@ -13,7 +13,6 @@ import math
 import os
 import signal
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +22,7 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
+from jaxgpt import signals
 from jaxgpt.checkpoint import Checkpointer, load_run_config
 from jaxgpt.config import RunConfig
 from jaxgpt.data import TokenSplits, cached_tokenizer, get_batch, load_corpus, prepare_tokens
@@ -157,32 +157,6 @@ def _check_finite(metrics: dict[str, Any], step: int, run_dir: Path, last_saved:
     return loss
 
 
-class StopSignals:
-    """The first SIGINT or SIGTERM asks the loop to stop after the current step and checkpoint;
-    a second SIGINT aborts at once."""
-
-    def __init__(self) -> None:
-        self.received: int | None = None
-        self._previous: dict[int, Any] = {}
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        if self.received is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        self.received = signum
-        print(f"\n{signal.Signals(signum).name}: stopping after this step and saving a checkpoint "
-              "(Ctrl-C again aborts at once)", file=sys.stderr)
-
-    def __enter__(self) -> StopSignals:
-        if threading.current_thread() is threading.main_thread():
-            for signum in (signal.SIGINT, signal.SIGTERM):
-                self._previous[signum] = signal.signal(signum, self._handle)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
-
-
 def _process_slice() -> dict[str, int]:
     return {"process_index": jax.process_index(), "process_count": jax.process_count()}
 
@@ -209,7 +183,16 @@ def train(cfg: RunConfig, out_dir: str | Path = "runs/default", *, resume: bool 
     model, tokenizer or corpus; `force` accepts changed [train] and [data] keys). `init_from`
     (a Hugging Face GPT-2 or Llama directory) fine-tunes from its weights; `cfg.model` must
     match it (see `jaxgpt.hf.load_into`). A resumed run continues from its own checkpoints.
+
+    SIGINT or SIGTERM during training stops after the current step with a checkpoint (the summary
+    then carries `signal`); before the first step it raises `signals.Stopped` with nothing written.
     """
+    with signals.handled():
+        return _train(cfg, out_dir, resume=resume, force=force, progress=progress, init_from=init_from)
+
+
+def _train(cfg: RunConfig, out_dir: str | Path, *, resume: bool, force: bool, progress: bool,
+           init_from: str | Path | None) -> dict[str, Any]:
     run_dir = Path(out_dir)
     has_checkpoints = (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir())
     if resume and (run_dir / "config.toml").is_file():
@@ -217,6 +200,7 @@ def train(cfg: RunConfig, out_dir: str | Path = "runs/default", *, resume: bool 
     elif not resume and has_checkpoints:
         raise ValueError(f"{run_dir} already holds a run; use --resume to continue it or another --out")
     data = prepare_data(cfg, run_dir)
+    signals.check()
     runtime = make_runtime(cfg)
     if init_from is not None and not (resume and has_checkpoints):
         from jaxgpt.hf import load_into
@@ -226,6 +210,7 @@ def train(cfg: RunConfig, out_dir: str | Path = "runs/default", *, resume: bool 
         state = runtime.state_from_params(load_into(cfg.model, init_from, fresh))
     else:
         state = runtime.init_state()
+    signals.check()  # the last moment at which a stop leaves the run directory untouched
     main_process = jax.process_index() == 0  # the one that writes files other than checkpoints
     run_dir.mkdir(parents=True, exist_ok=True)
     if main_process:
@@ -239,7 +224,7 @@ def train(cfg: RunConfig, out_dir: str | Path = "runs/default", *, resume: bool 
             state = _resume(checkpointer, runtime, state, expected, run_dir, force)
         if main_process:
             truncate_metrics(run_dir / "metrics.jsonl", after_step=int(runtime.to_saved(state).step))
-        with StopSignals() as stop:
+        with signals.handled() as stop:
             summary = _loop(cfg, run_dir, data, state, runtime, checkpointer, expected, stop,
                             progress and main_process, main_process)
     finally:
@@ -250,7 +235,7 @@ def train(cfg: RunConfig, out_dir: str | Path = "runs/default", *, resume: bool 
 
 
 def _loop(cfg: RunConfig, run_dir: Path, data: RunData, state: TrainState, runtime: Runtime,
-          checkpointer: Checkpointer, expected: dict[str, Any], stop: StopSignals, progress: bool,
+          checkpointer: Checkpointer, expected: dict[str, Any], stop: signals.StopRequest, progress: bool,
           main_process: bool) -> dict[str, Any]:
     start, total = int(runtime.to_saved(state).step), cfg.train.steps
     tokens_per_step = cfg.train.batch_size * cfg.model.context_length
