@@ -147,6 +147,25 @@ def load_run_config(run_dir: str | Path) -> RunConfig:
     return load_config(path)
 
 
+def finished_at(run_dir: str | Path, steps: int) -> int | None:
+    """The step of the run's newest checkpoint if it has reached `steps` and verifies, else None;
+    read without writing anything (a damaged one means the run is not finished)."""
+    cfg = load_run_config(run_dir)
+    checkpointer = Checkpointer(Path(run_dir), keep=cfg.train.keep_checkpoints, read_only=True)
+    try:
+        newest = checkpointer.latest_step()
+        if newest is None or newest < steps:
+            return None
+        like = on_one_device(jax.eval_shape(lambda: init_state(cfg, jax.random.key(0))))
+        try:
+            checkpointer.restore(like, newest)
+        except ValueError:
+            return None
+        return newest
+    finally:
+        checkpointer.close()
+
+
 def _to_stderr(message: str) -> None:
     print(message, file=sys.stderr)
 

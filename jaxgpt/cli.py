@@ -77,6 +77,8 @@ def _train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, overrides, base=base)
     summary = train(cfg, out_dir=args.out, resume=args.resume, force=args.force, progress=not args.no_progress,
                     init_from=hf_dir)
+    if summary["event"] == "finished earlier":
+        return 0  # train has said so in one line
     samples = [r for r in read_metrics(Path(args.out) / "metrics.jsonl") if r["type"] == "sample"]
     if samples:
         print(f"--- sample at step {samples[-1]['step']} ---\n{samples[-1]['text']}\n---")

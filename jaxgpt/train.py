@@ -23,7 +23,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxgpt import signals
-from jaxgpt.checkpoint import Checkpointer, load_run_config
+from jaxgpt.checkpoint import Checkpointer, finished_at, load_run_config
 from jaxgpt.config import RunConfig
 from jaxgpt.data import TokenSplits, cached_tokenizer, get_batch, load_corpus, prepare_tokens
 from jaxgpt.generate import generate
@@ -182,7 +182,8 @@ def train(cfg: RunConfig, out_dir: str | Path = "runs/default", *, resume: bool 
     With `resume`, continue from the newest intact checkpoint in `out_dir` (refusing a changed
     model, tokenizer or corpus; `force` accepts changed [train] and [data] keys). `init_from`
     (a Hugging Face GPT-2 or Llama directory) fine-tunes from its weights; `cfg.model` must
-    match it (see `jaxgpt.hf.load_into`). A resumed run continues from its own checkpoints.
+    match it (see `jaxgpt.hf.load_into`). A resumed run continues from its own checkpoints; one
+    that has reached `train.steps` says so and returns at once (event "finished earlier").
 
     SIGINT or SIGTERM during training stops after the current step with a checkpoint (the summary
     then carries `signal`); before the first step it raises `signals.Stopped` with nothing written.
@@ -197,6 +198,11 @@ def _train(cfg: RunConfig, out_dir: str | Path, *, resume: bool, force: bool, pr
     has_checkpoints = (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir())
     if resume and (run_dir / "config.toml").is_file():
         check_config_change(load_run_config(run_dir), cfg, run_dir, force)
+        # Before the tokenizer, token files and compile: a finished run has nothing to do.
+        done = finished_at(run_dir, cfg.train.steps) if has_checkpoints else None
+        if done is not None:
+            print(f"{run_dir} finished at step {done}; raise train.steps to continue", file=sys.stderr)
+            return {"type": "summary", "step": done, "event": "finished earlier"}
     elif not resume and has_checkpoints:
         raise ValueError(f"{run_dir} already holds a run; use --resume to continue it or another --out")
     data = prepare_data(cfg, run_dir)

@@ -212,6 +212,26 @@ def test_resume_accepts_more_steps_and_force_accepts_a_new_corpus(reference, cor
     assert summary["step"] == STEPS + 4
 
 
+def test_resume_on_a_finished_run_says_so_and_appends_nothing(reference, corpus, tmp_path, monkeypatch, capsys):
+    ref_run, _, _ = reference
+    run = tmp_path / "run"
+    import shutil
+    shutil.copytree(ref_run, run)
+    metrics = (run / "metrics.jsonl").read_bytes()
+    args = ["train", "--out", str(run), "--resume", "--no-progress", "--data", str(corpus)]
+    args += [a for o in OVERRIDES for a in ("--set", o)]
+    with monkeypatch.context() as patch:  # found before the start-up stages: none of them runs
+        patch.setattr(train_module, "prepare_data", lambda *a: pytest.fail("prepare_data ran"))
+        assert main(args) == 0
+    out, err = capsys.readouterr()
+    assert out == "" and err == f"{run} finished at step {STEPS}; raise train.steps to continue\n"
+    assert (run / "metrics.jsonl").read_bytes() == metrics
+    assert main([*args, "--steps", str(STEPS + 2)]) == 0  # more steps continue from the last checkpoint
+    records = read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in records if r["type"] == "train"][-3:] == [STEPS, STEPS + 1, STEPS + 2]
+    assert records[-1]["event"] == "end" and records[-1]["step"] == STEPS + 2
+
+
 def run_cli(corpus, run, *extra, env=None):
     args = [sys.executable, "-m", "jaxgpt", "train", "--no-progress", "--data", str(corpus), "--out", str(run)]
     args += [a for o in OVERRIDES for a in ("--set", o)] + list(extra)
