@@ -125,7 +125,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompt = list(tokenizer.encode(args.prompt)) if args.prompt else list(tokenizer.encode("\n")) or [0]
     stop_token = None
     if args.stop is not None:
-        stop_ids = list(tokenizer.encode(args.stop))
+        stop_ids = [int(i) for i in tokenizer.encode(args.stop)]
         if len(stop_ids) != 1:
             raise ValueError(f"--stop {args.stop!r} encodes to {len(stop_ids)} tokens {stop_ids}; it must be one token")
         stop_token = stop_ids[0]

@@ -195,6 +195,7 @@ def train(cfg: RunConfig, out_dir: str | Path = "runs/default", *, resume: bool 
 def _train(cfg: RunConfig, out_dir: str | Path, *, resume: bool, force: bool, progress: bool,
            init_from: str | Path | None) -> dict[str, Any]:
     run_dir = Path(out_dir)
+    _check_out_dir(run_dir)
     has_checkpoints = (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir())
     if resume and (run_dir / "config.toml").is_file():
         check_config_change(load_run_config(run_dir), cfg, run_dir, force)
@@ -206,6 +207,10 @@ def _train(cfg: RunConfig, out_dir: str | Path, *, resume: bool, force: bool, pr
     elif not resume and has_checkpoints:
         raise ValueError(f"{run_dir} already holds a run; use --resume to continue it or another --out")
     data = prepare_data(cfg, run_dir)
+    if data.tokenizer.kind == "char" and data.tokenizer.vocab_size < cfg.model.vocab_size:
+        print(f"note: the char tokenizer has {data.tokenizer.vocab_size} tokens (the corpus's distinct "
+              f"characters); model.vocab_size = {cfg.model.vocab_size} leaves "
+              f"{cfg.model.vocab_size - data.tokenizer.vocab_size} embedding rows unused", file=sys.stderr)
     signals.check()
     runtime = make_runtime(cfg)
     if init_from is not None and not (resume and has_checkpoints):
@@ -238,6 +243,15 @@ def _train(cfg: RunConfig, out_dir: str | Path, *, resume: bool, force: bool, pr
     if main_process:
         plot_losses(run_dir / "metrics.jsonl", run_dir / "loss.png")
     return summary
+
+
+def _check_out_dir(run_dir: Path) -> None:
+    """Refuse a run directory that a file stands in the way of, before anything is computed."""
+    for folder in (run_dir, *run_dir.parents):
+        if folder.exists():
+            if not folder.is_dir():
+                raise NotADirectoryError(f"{run_dir} cannot be a run directory: {folder} is a file")
+            return
 
 
 def _loop(cfg: RunConfig, run_dir: Path, data: RunData, state: TrainState, runtime: Runtime,
