@@ -6,7 +6,11 @@ config, tokenizer and token files it was trained with, the resolved config itsel
 differs on a mismatch), the data position, and a checksum of the state computed on the device
 before the write. Orbax writes each checkpoint into a temporary folder and renames it when
 complete, so a half-written one is never listed; the checksum catches files damaged afterwards.
-A damaged checkpoint is moved aside to `checkpoints/damaged-<step>` and the previous one is used.
+
+Only the trainer writes to a run. It moves a damaged checkpoint aside (to `checkpoints/damaged-<step>`,
+or `damaged-<step>-<n>` when that name is taken) and uses the previous one. Readers (`load_run`:
+generate, eval, export-hf, bench) open the run read-only: they skip a damaged checkpoint with a
+warning and never delete, rename or create anything, so a run being trained is safe to read.
 """
 
 from __future__ import annotations
@@ -48,18 +52,28 @@ def on_one_device(abstract: Any) -> Any:
 
 
 class Checkpointer:
-    def __init__(self, run_dir: Path, keep: int) -> None:
+    """The checkpoints of one run. `read_only` opens them as a reader: no save, no cleanup of the
+    temporary folders a trainer may be writing, no move of a damaged checkpoint."""
+
+    def __init__(self, run_dir: Path, keep: int, *, read_only: bool = False) -> None:
         self.directory = RunDir(run_dir).checkpoints.absolute()
         self.keep = keep
+        self.read_only = read_only
         self.manager = self._open()
 
     def _open(self) -> ocp.CheckpointManager:
-        options = ocp.CheckpointManagerOptions(max_to_keep=self.keep, create=True, cleanup_tmp_directories=True,
-                                               enable_async_checkpointing=True)
+        if self.read_only:
+            options = ocp.CheckpointManagerOptions(read_only=True, create=False, cleanup_tmp_directories=False,
+                                                   enable_async_checkpointing=False, save_root_metadata=False)
+        else:
+            options = ocp.CheckpointManagerOptions(max_to_keep=self.keep, create=True, cleanup_tmp_directories=True,
+                                                   enable_async_checkpointing=True)
         return ocp.CheckpointManager(self.directory, options=options, item_names=("state", "manifest"))
 
     def save(self, state: TrainState, manifest: dict[str, Any]) -> None:
         """Start writing a checkpoint of `state`; training goes on while Orbax writes it."""
+        if self.read_only:
+            raise PermissionError(f"{self.directory} is open read-only")
         step = int(state.step)
         manifest = {**manifest, "step": step, "data_step": step, "state_checksum": int(tree_checksum(state))}
         self.manager.save(step, args=ocp.args.Composite(
@@ -91,19 +105,33 @@ class Checkpointer:
     def restore_newest_good(
         self, like: TrainState, warn: Callable[[str], None]
     ) -> tuple[TrainState, dict[str, Any]] | None:
-        """The newest checkpoint that restores and verifies; damaged newer ones are moved aside."""
+        """The newest checkpoint that restores and verifies. A damaged newer one is moved aside by a
+        trainer and skipped by a reader; one a trainer removed while a reader read it is skipped."""
         self.manager.wait_until_finished()
         for step in reversed(self.steps()):
             try:
                 return self.restore(like, step)
             except ValueError as err:
-                aside = self.directory / f"damaged-{step}"
-                warn(f"checkpoint {self.directory / str(step)} is damaged: {err}; "
+                folder = self.directory / str(step)
+                if self.read_only:
+                    if folder.exists():  # gone means the trainer dropped it (keep_checkpoints)
+                        warn(f"checkpoint {folder} is damaged: {err}; skipped, falling back to the previous one")
+                    continue
+                aside = self.aside_name(step)
+                warn(f"checkpoint {folder} is damaged: {err}; "
                      f"moved to {aside.name}, falling back to the previous one")
-                (self.directory / str(step)).rename(aside)
+                folder.rename(aside)
                 self.manager.close()
                 self.manager = self._open()
         return None
+
+    def aside_name(self, step: int) -> Path:
+        """A free name for a damaged checkpoint of `step`: `damaged-<step>`, else `damaged-<step>-<n>`."""
+        aside, n = self.directory / f"damaged-{step}", 0
+        while aside.exists():
+            n += 1
+            aside = self.directory / f"damaged-{step}-{n}"
+        return aside
 
     def wait(self) -> None:
         self.manager.wait_until_finished()
@@ -120,15 +148,35 @@ def load_run_config(run_dir: str | Path) -> RunConfig:
     return load_config(path)
 
 
+def finished_at(run_dir: str | Path, steps: int) -> int | None:
+    """The step of the run's newest checkpoint if it has reached `steps` and verifies, else None;
+    read without writing anything (a damaged one means the run is not finished)."""
+    cfg = load_run_config(run_dir)
+    checkpointer = Checkpointer(Path(run_dir), keep=cfg.train.keep_checkpoints, read_only=True)
+    try:
+        newest = checkpointer.latest_step()
+        if newest is None or newest < steps:
+            return None
+        like = on_one_device(jax.eval_shape(lambda: init_state(cfg, jax.random.key(0))))
+        try:
+            checkpointer.restore(like, newest)
+        except ValueError:
+            return None
+        return newest
+    finally:
+        checkpointer.close()
+
+
 def _to_stderr(message: str) -> None:
     print(message, file=sys.stderr)
 
 
 def load_run(run_dir: str | Path, warn: Callable[[str], None] = _to_stderr) -> tuple[ModelConfig, Params]:
-    """The model config and params of the newest good checkpoint in a run directory."""
+    """The model config and params of the newest good checkpoint in a run directory, read without
+    writing anything there (a trainer may be writing to it)."""
     cfg = load_run_config(run_dir)
     like = on_one_device(jax.eval_shape(lambda: init_state(cfg, jax.random.key(0))))
-    checkpointer = Checkpointer(Path(run_dir), keep=cfg.train.keep_checkpoints)
+    checkpointer = Checkpointer(Path(run_dir), keep=cfg.train.keep_checkpoints, read_only=True)
     try:
         found = checkpointer.restore_newest_good(like, warn)
     finally:

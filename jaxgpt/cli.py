@@ -48,6 +48,13 @@ def cmd_dry_run(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from jaxgpt import signals
+
+    with signals.handled():  # from the start: a signal during the imports below is kept for later
+        return _train(args)
+
+
+def _train(args: argparse.Namespace) -> int:
     from jaxgpt.parallel import maybe_initialize_distributed
 
     maybe_initialize_distributed()  # before anything else touches the devices
@@ -75,6 +82,8 @@ def cmd_train(args: argparse.Namespace) -> int:
                          "add one, or name one with --set data.tokenizer=PATH")
     summary = train(cfg, out_dir=args.out, resume=args.resume, force=args.force, progress=not args.no_progress,
                     init_from=hf_dir)
+    if summary["event"] == "finished earlier":
+        return 0  # train has said so in one line
     samples = [r for r in read_metrics(RunDir(args.out).metrics) if r["type"] == "sample"]
     if samples:
         print(f"--- sample at step {samples[-1]['step']} ---\n{samples[-1]['text']}\n---")
@@ -121,7 +130,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompt = list(tokenizer.encode(args.prompt)) if args.prompt else list(tokenizer.encode("\n")) or [0]
     stop_token = None
     if args.stop is not None:
-        stop_ids = list(tokenizer.encode(args.stop))
+        stop_ids = [int(i) for i in tokenizer.encode(args.stop)]
         if len(stop_ids) != 1:
             raise ValueError(f"--stop {args.stop!r} encodes to {len(stop_ids)} tokens {stop_ids}; it must be one token")
         stop_token = stop_ids[0]
@@ -349,6 +358,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         message = str(err).splitlines()[0] if str(err) else type(err).__name__
         print(f"jaxgpt {args.command}: error: {message}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as err:
+        from jaxgpt.signals import Stopped
+
+        if isinstance(err, Stopped):
+            print(f"jaxgpt {args.command}: {err}", file=sys.stderr)
+            return err.exit_code
         print(f"jaxgpt {args.command}: interrupted", file=sys.stderr)
         return 130

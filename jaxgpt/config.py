@@ -10,6 +10,7 @@ import dataclasses
 import difflib
 import hashlib
 import json
+import math
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -23,6 +24,14 @@ class ConfigError(ValueError):
 def _choice(section: str, name: str, value: Any, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise ConfigError(f"{section}.{name} = {value!r} is not one of {', '.join(allowed)}")
+
+
+def _finite(section: str, obj: Any) -> None:
+    """Refuse nan and inf in every float key: each would run, compile and only then diverge."""
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{section}.{f.name} = {value!r} must be a finite number")
 
 
 def _positive(section: str, obj: Any, *names: str, allow_zero: bool = False) -> None:
@@ -62,6 +71,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         s = "model"
+        _finite(s, self)
         if self.kv_heads is None:
             object.__setattr__(self, "kv_heads", self.n_heads)
         if self.hidden_size is None:
@@ -99,6 +109,7 @@ class DataConfig:
     val_fraction: float = 0.1
 
     def __post_init__(self) -> None:
+        _finite("data", self)
         if not 0.0 < self.val_fraction < 1.0:
             raise ConfigError(f"data.val_fraction = {self.val_fraction!r} must be in (0, 1)")
         if not self.source:
@@ -133,6 +144,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         s = "train"
+        _finite(s, self)
         _positive(s, self, "steps", "batch_size", "grad_accum", "lr", "muon_lr", "log_every", "eval_every")
         _positive(s, self, "eval_batches", "checkpoint_every", "keep_checkpoints", "fsdp", "adam_eps")
         _positive(s, self, "min_lr", "warmup_steps", "weight_decay", "clip_norm", "sample_tokens",
@@ -193,6 +205,9 @@ def _nearest(name: str, candidates: list[str]) -> str:
     return f" (did you mean {match[0]!r}?)" if match else ""
 
 
+_KIND_NAMES = {"int": "an integer", "float": "a number", "str": "a string", "bool": "true or false"}
+
+
 def _coerce(section: str, name: str, value: Any, annotation: str) -> Any:
     """Check a TOML value against the field's annotation; ints are accepted for floats."""
     wanted = {"int": int, "float": float, "str": str, "bool": bool}
@@ -201,7 +216,7 @@ def _coerce(section: str, name: str, value: Any, annotation: str) -> Any:
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if isinstance(value, bool) != (kind is bool) or not isinstance(value, kind):
-        raise ConfigError(f"{section}.{name} = {value!r} must be a {base}")
+        raise ConfigError(f"{section}.{name} = {value!r} must be {_KIND_NAMES[base]}")
     return value
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -27,6 +26,7 @@ from jaxgpt.config import ModelConfig
 from jaxgpt.layers import (FeedForward, TransformerBlock, activation_dtype, bf16_on_cpu, compute_dtype,
                            dense_init, make_norm, rope_tables, write_kv)
 from jaxgpt.matmul import BF16_ATTENTION_SAVED, BF16_MATMUL_SAVED, bf16_matmul, transposed_copy
+from jaxgpt.token_ids import check_token_ids
 
 Params = dict[str, Any]
 Cache = dict[str, jax.Array]  # {"k": [L, B, S, K, D], "v": [L, B, S, K, D], "index": [B]}
@@ -222,23 +222,6 @@ def _is_concrete(x: Any) -> bool:
     return not isinstance(x, jax.core.Tracer)
 
 
-def check_token_ids(cfg: ModelConfig, token_ids: Any) -> jax.Array:
-    """Reject what the device would silently clamp or mis-shape; values only when concrete."""
-    if getattr(token_ids, "ndim", None) != 2:
-        raise ValueError("token IDs must have shape [batch, sequence]")
-    if not jnp.issubdtype(token_ids.dtype, jnp.integer):
-        raise ValueError(f"token IDs must be integers, got dtype {token_ids.dtype}")
-    if _is_concrete(token_ids) and token_ids.size:
-        values = np.asarray(token_ids)
-        low, high = int(values.min()), int(values.max())
-        if low < 0 or high >= cfg.vocab_size:
-            raise ValueError(
-                f"token IDs must lie in [0, {cfg.vocab_size}) (model.vocab_size); got [{low}, {high}]"
-            )
-    chex.assert_rank(token_ids, 2)
-    return jnp.asarray(token_ids, jnp.int32)
-
-
 def init_params(cfg: ModelConfig, rng: jax.Array) -> Params:
     """Fresh parameters, a pure function of (cfg, rng): float32, N(0, init_std) weights, zero biases."""
     tokens = jnp.zeros((1, min(cfg.context_length, 8)), jnp.int32)
@@ -260,7 +243,7 @@ def forward(
     `rng`), and the CPU attention is laid out for the backward pass that follows; the values do
     not depend on that layout beyond float rounding.
     """
-    token_ids = check_token_ids(cfg, token_ids)
+    token_ids = check_token_ids(token_ids, cfg.vocab_size)
     if cfg.position == "learned" and token_ids.shape[1] > cfg.context_length:
         raise ValueError(
             f"sequence exceeds context_length: {token_ids.shape[1]} > {cfg.context_length}"
@@ -300,7 +283,7 @@ def forward_cached(
     with the new keys and values written. `fresh` promises an empty cache (every index 0, as
     `init_cache` makes it): the prefill then attends among the new tokens only, as `forward` does.
     """
-    token_ids = check_token_ids(cfg, token_ids)
+    token_ids = check_token_ids(token_ids, cfg.vocab_size)
     B, T = token_ids.shape
     L, cache_B, S = cache["k"].shape[:3]
     if cache_B != B:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 import signal
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,8 @@ from typing import Any
 import jax
 from tqdm.auto import tqdm
 
-from jaxgpt.checkpoint import Checkpointer, load_run_config
+from jaxgpt import signals
+from jaxgpt.checkpoint import Checkpointer, finished_at, load_run_config
 from jaxgpt.config import RunConfig
 from jaxgpt.data import RunData, evaluate, prepare_data, train_batch
 from jaxgpt.generate import generate
@@ -96,32 +96,6 @@ def _check_finite(metrics: dict[str, Any], step: int, run_dir: Path, last_saved:
     return loss
 
 
-class StopSignals:
-    """The first SIGINT or SIGTERM asks the loop to stop after the current step and checkpoint;
-    a second SIGINT aborts at once."""
-
-    def __init__(self) -> None:
-        self.received: int | None = None
-        self._previous: dict[int, Any] = {}
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        if self.received is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        self.received = signum
-        print(f"\n{signal.Signals(signum).name}: stopping after this step and saving a checkpoint "
-              "(Ctrl-C again aborts at once)", file=sys.stderr)
-
-    def __enter__(self) -> StopSignals:
-        if threading.current_thread() is threading.main_thread():
-            for signum in (signal.SIGINT, signal.SIGTERM):
-                self._previous[signum] = signal.signal(signum, self._handle)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
-
-
 def _resume(checkpointer: Checkpointer, runtime: Runtime, state: TrainState, expected: dict[str, Any],
             run_dir: Path, force: bool) -> TrainState:
     if not checkpointer.steps():
@@ -143,17 +117,38 @@ def train(cfg: RunConfig, out_dir: str | Path = "runs/default", *, resume: bool 
     With `resume`, continue from the newest intact checkpoint in `out_dir` (refusing a changed
     model, tokenizer or corpus; `force` accepts changed [train] and [data] keys). `init_from`
     (a Hugging Face GPT-2 or Llama directory) fine-tunes from its weights; `cfg.model` must
-    match it (see `jaxgpt.hf.load_into`). A resumed run continues from its own checkpoints.
+    match it (see `jaxgpt.hf.load_into`). A resumed run continues from its own checkpoints; one
+    that has reached `train.steps` says so and returns at once (event "finished earlier").
+
+    SIGINT or SIGTERM during training stops after the current step with a checkpoint (the summary
+    then carries `signal`); before the first step it raises `signals.Stopped` with nothing written.
     """
+    with signals.handled():
+        return _train(cfg, out_dir, resume=resume, force=force, progress=progress, init_from=init_from)
+
+
+def _train(cfg: RunConfig, out_dir: str | Path, *, resume: bool, force: bool, progress: bool,
+           init_from: str | Path | None) -> dict[str, Any]:
     run_dir = Path(out_dir)
     files = RunDir(run_dir)
+    _check_out_dir(run_dir)
     has_checkpoints = files.has_checkpoints()
     if resume and files.config.is_file():
         check_config_change(load_run_config(run_dir), cfg, run_dir, force)
+        # Before the tokenizer, token files and compile: a finished run has nothing to do.
+        done = finished_at(run_dir, cfg.train.steps) if has_checkpoints else None
+        if done is not None:
+            print(f"{run_dir} finished at step {done}; raise train.steps to continue", file=sys.stderr)
+            return {"type": "summary", "step": done, "event": "finished earlier"}
     elif not resume and has_checkpoints:
         raise ValueError(f"{run_dir} already holds a run; continue it with `jaxgpt train --out {run_dir} --resume` "
                          "(and the same --config/--set/--data), or choose another --out")
     data = prepare_data(cfg, run_dir)
+    if data.tokenizer.kind == "char" and data.tokenizer.vocab_size < cfg.model.vocab_size:
+        print(f"note: the char tokenizer has {data.tokenizer.vocab_size} tokens (the corpus's distinct "
+              f"characters); model.vocab_size = {cfg.model.vocab_size} leaves "
+              f"{cfg.model.vocab_size - data.tokenizer.vocab_size} embedding rows unused", file=sys.stderr)
+    signals.check()
     runtime = make_runtime(cfg)
     if init_from is not None and not (resume and has_checkpoints):
         from jaxgpt.hf import load_into
@@ -163,6 +158,7 @@ def train(cfg: RunConfig, out_dir: str | Path = "runs/default", *, resume: bool 
         state = runtime.state_from_params(load_into(cfg.model, init_from, fresh))
     else:
         state = runtime.init_state()
+    signals.check()  # the last moment at which a stop leaves the run directory untouched
     main_process = jax.process_index() == 0  # the one that writes files other than checkpoints
     run_dir.mkdir(parents=True, exist_ok=True)
     if main_process:
@@ -176,7 +172,7 @@ def train(cfg: RunConfig, out_dir: str | Path = "runs/default", *, resume: bool 
             state = _resume(checkpointer, runtime, state, expected, run_dir, force)
         if main_process:
             truncate_metrics(files.metrics, after_step=int(runtime.to_saved(state).step))
-        with StopSignals() as stop:
+        with signals.handled() as stop:
             summary = _loop(cfg, run_dir, data, state, runtime, checkpointer, expected, stop,
                             progress and main_process, main_process)
     finally:
@@ -186,8 +182,17 @@ def train(cfg: RunConfig, out_dir: str | Path = "runs/default", *, resume: bool 
     return summary
 
 
+def _check_out_dir(run_dir: Path) -> None:
+    """Refuse a run directory that a file stands in the way of, before anything is computed."""
+    for folder in (run_dir, *run_dir.parents):
+        if folder.exists():
+            if not folder.is_dir():
+                raise NotADirectoryError(f"{run_dir} cannot be a run directory: {folder} is a file")
+            return
+
+
 def _loop(cfg: RunConfig, run_dir: Path, data: RunData, state: TrainState, runtime: Runtime,
-          checkpointer: Checkpointer, expected: dict[str, Any], stop: StopSignals, progress: bool,
+          checkpointer: Checkpointer, expected: dict[str, Any], stop: signals.StopRequest, progress: bool,
           main_process: bool) -> dict[str, Any]:
     start, total = int(runtime.to_saved(state).step), cfg.train.steps
     tokens_per_step = cfg.train.batch_size * cfg.model.context_length

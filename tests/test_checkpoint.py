@@ -104,6 +104,15 @@ def test_stop_then_resume_is_bitwise_identical(reference, corpus, tmp_path, monk
     assert comparable(read_metrics(run / "metrics.jsonl"), 0) == comparable(ref_records, 0)
 
 
+def damage(checkpoint: Path) -> None:
+    """Flip one byte in the middle of the biggest state file of `checkpoint`."""
+    victims = [p for p in checkpoint.rglob("*") if p.is_file() and p.stat().st_size > 64 and "state" in str(p)]
+    data_file = max(victims, key=lambda p: p.stat().st_size)
+    blob = bytearray(data_file.read_bytes())
+    blob[len(blob) // 2] ^= 0xFF
+    data_file.write_bytes(bytes(blob))
+
+
 def test_damaged_newest_checkpoint_falls_back_by_name(reference, corpus, tmp_path, monkeypatch, capsys):
     _, ref_state, _ = reference
     run = tmp_path / "run"
@@ -111,11 +120,7 @@ def test_damaged_newest_checkpoint_falls_back_by_name(reference, corpus, tmp_pat
         stop_at(16, patch)
         train_module.train(config(corpus), run, progress=False)
     newest = run / "checkpoints" / "16"
-    victims = sorted(p for p in newest.rglob("*") if p.is_file() and p.stat().st_size > 64 and "state" in str(p))
-    data_file = max(victims, key=lambda p: p.stat().st_size)
-    blob = bytearray(data_file.read_bytes())
-    blob[len(blob) // 2] ^= 0xFF  # flip one byte in the middle of the biggest state file
-    data_file.write_bytes(bytes(blob))
+    damage(newest)
     capsys.readouterr()
     train_module.train(config(corpus), run, resume=True, progress=False)
     err = capsys.readouterr().err
@@ -135,6 +140,26 @@ def test_missing_files_are_damage_too(reference, corpus, tmp_path, monkeypatch, 
     model_cfg, params = load_run(run)
     assert "checkpoints/8 is damaged" in capsys.readouterr().err
     assert model_cfg.vocab_size == 64 and "blocks" in params
+    # a reader skips the damaged checkpoint and leaves it where it is: only the trainer moves it aside
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["4", "8"]
+
+
+def test_the_same_step_damaged_twice_is_moved_aside_twice(reference, corpus, tmp_path, monkeypatch, capsys):
+    _, ref_state, _ = reference
+    run = tmp_path / "run"
+    with monkeypatch.context() as patch:
+        stop_at(8, patch)
+        train_module.train(config(corpus), run, progress=False)
+    for _ in range(2):  # damaged, moved aside, retrained to the same step, damaged again
+        damage(run / "checkpoints" / "8")
+        with monkeypatch.context() as patch:
+            stop_at(8, patch)
+            summary = train_module.train(config(corpus), run, resume=True, progress=False)
+        assert summary["step"] == 8
+    names = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert names == ["4", "8", "damaged-8", "damaged-8-1"]
+    train_module.train(config(corpus), run, resume=True, progress=False)
+    assert_bitwise_equal(full_state(run), ref_state)
 
 
 def test_resume_with_no_intact_checkpoint_is_a_clear_error(corpus, tmp_path, monkeypatch, capsys):
@@ -185,6 +210,26 @@ def test_resume_accepts_more_steps_and_force_accepts_a_new_corpus(reference, cor
     summary = train_module.train(config(changed, f"train.steps={STEPS + 4}"), run, resume=True, force=True,
                                  progress=False)
     assert summary["step"] == STEPS + 4
+
+
+def test_resume_on_a_finished_run_says_so_and_appends_nothing(reference, corpus, tmp_path, monkeypatch, capsys):
+    ref_run, _, _ = reference
+    run = tmp_path / "run"
+    import shutil
+    shutil.copytree(ref_run, run)
+    metrics = (run / "metrics.jsonl").read_bytes()
+    args = ["train", "--out", str(run), "--resume", "--no-progress", "--data", str(corpus)]
+    args += [a for o in OVERRIDES for a in ("--set", o)]
+    with monkeypatch.context() as patch:  # found before the start-up stages: none of them runs
+        patch.setattr(train_module, "prepare_data", lambda *a: pytest.fail("prepare_data ran"))
+        assert main(args) == 0
+    out, err = capsys.readouterr()
+    assert out == "" and err == f"{run} finished at step {STEPS}; raise train.steps to continue\n"
+    assert (run / "metrics.jsonl").read_bytes() == metrics
+    assert main([*args, "--steps", str(STEPS + 2)]) == 0  # more steps continue from the last checkpoint
+    records = read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in records if r["type"] == "train"][-3:] == [STEPS, STEPS + 1, STEPS + 2]
+    assert records[-1]["event"] == "end" and records[-1]["step"] == STEPS + 2
 
 
 def run_cli(corpus, run, *extra, env=None):
@@ -280,3 +325,34 @@ def test_resume_across_a_change_of_device_count(reference, corpus, tmp_path, fir
     ref, got = train_losses(ref_run), train_losses(run)
     assert sorted(got) == sorted(ref) == list(range(1, STEPS + 1))
     np.testing.assert_allclose([got[s] for s in ref], list(ref.values()), rtol=1e-4)
+
+
+def verify_every_checkpoint(run: Path) -> list[int]:
+    """Restore and checksum every checkpoint in `run`; the steps that verified."""
+    cfg = load_run_config(run)
+    like = jax.eval_shape(lambda: init_state(cfg, jax.random.key(0)))
+    checkpointer = Checkpointer(run, keep=100, read_only=True)
+    try:
+        for step in checkpointer.steps():
+            checkpointer.restore(like, step)  # raises ValueError if damaged
+        return checkpointer.steps()
+    finally:
+        checkpointer.close()
+
+
+def test_a_reader_looping_while_a_run_trains_harms_nothing(corpus, tmp_path):
+    run = tmp_path / "run"
+    steps = 40
+    process = run_cli(corpus, run, "--set", f"train.steps={steps}", "--set", "train.checkpoint_every=2",
+                      "--set", "train.keep_checkpoints=4", env=devices_env(1))
+    reads = 0
+    while process.poll() is None:
+        if checkpoint_steps(run):
+            model_cfg, params = load_run(run)  # what generate, eval and export-hf do
+            assert model_cfg.vocab_size == 64 and "blocks" in params
+            reads += 1
+    _, err = process.communicate()
+    assert process.returncode == 0, err
+    assert reads >= 2
+    assert verify_every_checkpoint(run) == [34, 36, 38, 40]
+    assert not [p.name for p in (run / "checkpoints").iterdir() if p.name.startswith("damaged")]

@@ -3,12 +3,13 @@
 import subprocess
 import sys
 import json
+import math
 from pathlib import Path
 
 import pytest
 
 from jaxgpt.cli import main
-from jaxgpt.config import ConfigError, ModelConfig, RunConfig, build_config, load_config
+from jaxgpt.config import ConfigError, DataConfig, ModelConfig, RunConfig, TrainConfig, build_config, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -54,8 +55,15 @@ def test_fingerprint_tracks_every_value():
     (["model.norm=batchnorm"], "model.norm = 'batchnorm' is not one of layernorm, rmsnorm"),
     (["model.n_head=2"], "unknown config key model.n_head (did you mean 'n_heads'?)"),
     (["modle.n_heads=2"], "unknown config section 'modle' (did you mean 'model'?)"),
-    (["model.d_model=big"], "model.d_model = 'big' must be a int"),
-    (["model.bias=1"], "model.bias = 1 must be a bool"),
+    (["model.d_model=big"], "model.d_model = 'big' must be an integer"),
+    (["model.bias=1"], "model.bias = 1 must be true or false"),
+    (["train.lr=\"fast\""], "train.lr = 'fast' must be a number"),
+    (["data.source=3"], "data.source = 3 must be a string"),
+    (["train.lr=nan"], "train.lr = nan must be a finite number"),
+    (["train.min_lr=-inf"], "train.min_lr = -inf must be a finite number"),
+    (["model.rope_base=inf"], "model.rope_base = inf must be a finite number"),
+    (["train.clip_norm=+inf"], "train.clip_norm = inf must be a finite number"),
+    (["data.val_fraction=nan"], "data.val_fraction = nan must be a finite number"),
     (["train.batch_size=10", "train.grad_accum=3"], "train.batch_size = 10 is not divisible by train.grad_accum = 3"),
     (["model.n_layers"], "must look like section.key=value"),
     (["train.optimizer=sgd"], "train.optimizer = 'sgd' is not one of adamw, muon"),
@@ -65,6 +73,13 @@ def test_validation_names_the_key_and_why(overrides, message):
     with pytest.raises(ConfigError) as err:
         load_config(None, overrides)
     assert message in str(err.value)
+
+
+@pytest.mark.parametrize("make", [lambda: ModelConfig(norm_eps=float("nan")), lambda: DataConfig(val_fraction=math.inf),
+                                  lambda: TrainConfig(weight_decay=float("nan"))])
+def test_dataclasses_refuse_nan_and_inf_however_built(make):
+    with pytest.raises(ConfigError, match="must be a finite number"):
+        make()
 
 
 def test_missing_and_broken_files(tmp_path):

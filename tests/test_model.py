@@ -334,6 +334,16 @@ class TestBadInput:
         with pytest.raises(ValueError, match=r"\[0, 64\)"):
             forward_cached(self.params, self.cfg, tokens, init_cache(self.cfg, 1, 8))
 
+    def test_list_valued_ids_are_checked_and_accepted(self):
+        with pytest.raises(ValueError, match=r"\[0, 64\).*got \[1, 64\]"):
+            forward(self.params, self.cfg, [[1, 2, 64]])
+        with pytest.raises(ValueError, match=r"\[0, 64\).*got \[-3, 2\]"):
+            forward_cached(self.params, self.cfg, [[1, 2, -3]], init_cache(self.cfg, 1, 8))
+        with pytest.raises(ValueError, match="rows of different lengths"):
+            forward(self.params, self.cfg, [[1, 2], [3]])
+        np.testing.assert_array_equal(forward(self.params, self.cfg, [[1, 2, 3]]),
+                                      forward(self.params, self.cfg, jnp.array([[1, 2, 3]])))
+
     def test_too_long_for_learned_positions(self):
         with pytest.raises(ValueError, match="context_length"):
             forward(self.params, self.cfg, jnp.zeros((1, self.cfg.context_length + 1), jnp.int32))

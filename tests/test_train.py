@@ -119,6 +119,8 @@ def test_nan_guard_stops_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatc
     (["--data", "SHORT"], "fewer than one window"),
     (["--data", "CORPUS", "--set", "model.vocab_size=200"], "vocab_size"),
     (["--data", "CORPUS", "--set", "train.stpes=3"], "unknown config key train.stpes (did you mean 'steps'?)"),
+    (["--data", "CORPUS", "--set", "train.lr=nan"], "train.lr = nan must be a finite number"),
+    (["--data", "CORPUS", "--set", "train.weight_decay=inf"], "train.weight_decay = inf must be a finite number"),
 ])
 def test_bad_input_is_one_line_and_writes_nothing(args, message, tmp_path, capsys):
     (tmp_path / "empty.txt").write_text("")
@@ -131,6 +133,36 @@ def test_bad_input_is_one_line_and_writes_nothing(args, message, tmp_path, capsy
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1, err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("out", ["FILE", "FILE/run"])
+def test_an_out_path_through_a_file_is_one_line_and_leaves_the_file(out, tmp_path, capsys):
+    corpus = write_corpus(tmp_path / "corpus.txt", words=600)
+    (tmp_path / "FILE").write_text("keep me\n")
+    out = tmp_path / out
+    assert main(["train", *TINY, "--data", str(corpus), "--out", str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"jaxgpt train: error: {out} cannot be a run directory: {tmp_path / 'FILE'} is a file\n"
+    assert (tmp_path / "FILE").read_text() == "keep me\n"
+
+
+def test_a_char_tokenizer_smaller_than_the_vocab_says_what_it_got(tmp_path, capsys):
+    corpus = write_corpus(tmp_path / "corpus.txt", words=600)
+    letters = len(set(corpus.read_text()))
+    assert main(["train", *TINY, "--data", str(corpus), "--out", str(tmp_path / "run"), "--no-progress",
+                 "--steps", "1", "--set", "data.tokenizer=char", "--set", "model.vocab_size=1024"]) == 0
+    err = capsys.readouterr().err
+    assert (f"note: the char tokenizer has {letters} tokens (the corpus's distinct characters); "
+            f"model.vocab_size = 1024 leaves {1024 - letters} embedding rows unused") in err
+
+
+def test_a_stop_text_of_several_tokens_is_named_with_plain_ids(finished_run, capsys):
+    run, _ = finished_run
+    assert main(["generate", "--run", str(run), "--stop", "the cat sat", "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "it must be one token" in err and "np." not in err
+    ids = err.split("tokens [")[1].split("]")[0]
+    assert all(part.strip().isdigit() for part in ids.split(","))
 
 
 def test_cli_errors_carry_no_traceback(tmp_path):

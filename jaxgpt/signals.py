@@ -1,0 +1,82 @@
+"""SIGINT and SIGTERM as a request to stop at the next safe point.
+
+Python's own SIGINT handler raises KeyboardInterrupt wherever the main thread happens to be. During
+a compile that is often inside JAX's garbage-collection callback, where the exception is printed
+as "Exception ignored" and lost (the run trains on), or it unwinds while XLA's threads still run
+and the process dies with a segmentation fault on exit. The handlers here only record the signal;
+the training code calls `check()` between its stages and reads `received` after each step, so a
+stop always happens between two complete writes.
+
+    with signals.handled() as stop:
+        prepare()
+        signals.check()      # raises Stopped if a signal came
+        for step in ...:
+            ...
+            if stop.received: break
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class Stopped(KeyboardInterrupt):
+    """A run stopped by SIGINT or SIGTERM at a safe point; `exit_code` is the shell's 128 + signal."""
+
+    def __init__(self, signum: int, message: str) -> None:
+        super().__init__(message)
+        self.signum = signum
+        self.exit_code = 128 + signum
+
+
+class StopRequest:
+    """What `handled()` recorded: `received` is the first signal's number, or None."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self.active = False
+
+
+_state = StopRequest()
+
+
+def _handle(signum: int, frame: Any) -> None:
+    if _state.received is not None and signum == signal.SIGINT:
+        raise Stopped(signum, "interrupted again: stopped at once")  # a second Ctrl-C aborts
+    _state.received = signum
+
+
+@contextmanager
+def handled() -> Iterator[StopRequest]:
+    """Record SIGINT and SIGTERM instead of acting on them, inside this block. Nested blocks share
+    the outer one's record; off the main thread (where Python cannot install handlers) it records
+    nothing and the process keeps its handlers."""
+    if _state.active or threading.current_thread() is not threading.main_thread():
+        yield _state
+        return
+    previous = {signum: signal.signal(signum, _handle) for signum in SIGNALS}
+    _state.received, _state.active = None, True
+    try:
+        yield _state
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        _state.received, _state.active = None, False
+
+
+def received() -> int | None:
+    """The signal recorded inside `handled()`, or None."""
+    return _state.received
+
+
+def check(where: str = "before the first step") -> None:
+    """Raise Stopped if a signal was recorded: call it where stopping leaves nothing half-done."""
+    if _state.received is not None:
+        name = signal.Signals(_state.received).name
+        raise Stopped(_state.received, f"stopped by {name} {where}")

@@ -1,0 +1,115 @@
+"""SIGINT and SIGTERM at any moment of `jaxgpt train`: the run stops with exit 128 + signal and one
+line, and leaves nothing half-written in the run directory or the cache."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from jaxgpt import signals
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["model.context_length=16", "model.d_model=32", "model.n_heads=4", "model.vocab_size=300",
+        "train.batch_size=8", "train.steps=400", "train.eval_every=1000", "train.eval_batches=1",
+        "train.log_every=1", "train.sample_tokens=0", "train.checkpoint_every=1000"]
+
+
+def write_corpus(path: Path) -> Path:
+    rng = random.Random(0)
+    words = ["alpha", "beta", "gamma", "delta", "eps", "zeta", "eta", "theta"]
+    path.write_text("\n".join(" ".join(rng.choice(words) for _ in range(10)) for _ in range(400)) + "\n")
+    return path
+
+
+def start(tmp_path: Path) -> tuple[subprocess.Popen, Path, Path]:
+    """`jaxgpt train` with a fresh cache, so it builds its tokenizer and token files and compiles."""
+    corpus, run, cache = write_corpus(tmp_path / "corpus.txt"), tmp_path / "run", tmp_path / "cache"
+    env = {**os.environ, "JAXGPT_CACHE": str(cache), "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    args = [sys.executable, "-m", "jaxgpt", "train", "--no-progress", "--data", str(corpus), "--out", str(run)]
+    args += [a for o in TINY for a in ("--set", o)]
+    process = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    return process, run, cache
+
+
+def wait_for(predicate, process: subprocess.Popen) -> None:
+    while not predicate():
+        assert process.poll() is None, process.communicate()
+        time.sleep(0.01)
+
+
+def token_files_written(cache: Path) -> bool:
+    """True once the token files are complete: the process is compiling its init from then on."""
+    return any((cache / "tokens").glob("*/meta.json")) if (cache / "tokens").is_dir() else False
+
+
+def train_records(run: Path) -> int:
+    path = run / "metrics.jsonl"
+    return sum('"train"' in line for line in path.read_text().splitlines()) if path.is_file() else 0
+
+
+def half_written(*folders: Path) -> list[str]:
+    return [str(p) for folder in folders if folder.exists() for p in folder.rglob("*") if "tmp" in p.name]
+
+
+@pytest.mark.parametrize("moment", ["tokenizer", "compile"])
+def test_a_signal_during_start_up_stops_before_anything_is_written(moment, tmp_path):
+    process, run, cache = start(tmp_path)
+    if moment == "tokenizer":  # while the tokenizer is being trained or saved
+        wait_for(lambda: (cache / "tokenizers").is_dir(), process)
+    else:  # while the model's init compiles: Python's own handler loses this one or dies on exit
+        wait_for(lambda: token_files_written(cache), process)
+    process.send_signal(signal.SIGINT)
+    _, err = process.communicate(timeout=300)
+    assert process.returncode == 130, err
+    assert err.splitlines() == ["jaxgpt train: stopped by SIGINT before the first step"]
+    assert not run.exists()
+    assert not half_written(cache)
+
+
+def test_sigterm_during_training_checkpoints_and_exits_143(tmp_path):
+    process, run, cache = start(tmp_path)
+    wait_for(lambda: train_records(run) >= 3, process)
+    process.send_signal(signal.SIGTERM)
+    out, err = process.communicate(timeout=300)
+    assert process.returncode == 143, err
+    summary = json.loads(out.splitlines()[-1])
+    assert summary["event"] == "stopped by SIGTERM" and summary["signal"] == signal.SIGTERM
+    stopped = [line for line in err.splitlines() if "stopped" in line or "Traceback" in line]
+    assert len(stopped) == 1 and stopped[0].startswith(f"stopped at step {summary['step']} with a checkpoint")
+    assert summary["step"] < 400 and (run / "checkpoints" / str(summary["step"])).is_dir()
+    assert not half_written(run, cache)
+
+
+def test_handled_records_the_signal_and_check_raises_at_a_safe_point():
+    with signals.handled() as stop:
+        signals.check()  # nothing received: a no-op
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.01)  # the handler runs between two bytecodes of the main thread
+        assert stop.received == signal.SIGTERM and signals.received() == signal.SIGTERM
+        with signals.handled() as inner:  # nested: the same record
+            assert inner.received == signal.SIGTERM
+        with pytest.raises(signals.Stopped, match="stopped by SIGTERM before the first step") as stopped:
+            signals.check()
+        assert stopped.value.exit_code == 143
+    assert signals.received() is None
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_off_the_main_thread_handled_installs_nothing():
+    seen = []
+
+    def body():
+        with signals.handled() as stop:
+            seen.append((stop.received, signal.getsignal(signal.SIGINT)))
+
+    thread = threading.Thread(target=body)
+    thread.start()
+    thread.join()
+    assert seen == [(None, signal.default_int_handler)]
