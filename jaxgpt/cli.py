@@ -193,6 +193,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_launch(args: argparse.Namespace) -> int:
+    from jaxgpt.launch import launch
+
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    return launch(command, args.processes, args.devices_per_process, all_output=args.all_output)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxgpt", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -270,6 +277,16 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--run", required=True, help="a run directory")
     exp.add_argument("--out", required=True, help="the Hugging Face directory to write")
     exp.set_defaults(func=cmd_export_hf)
+    la = sub.add_parser("launch", help="run a jaxgpt command as N processes of one JAX job on this machine",
+                        description="e.g. jaxgpt launch -n 2 --devices-per-process 4 -- train --out runs/a")
+    la.add_argument("-n", "--processes", type=int, required=True, help="number of processes")
+    la.add_argument("--devices-per-process", type=int, default=None,
+                    help="run on the CPU with this many devices in each process (to try a layout on one machine)")
+    la.add_argument("--all-output", action="store_true",
+                    help="show every process's output, prefixed [N] (default: process 0's, and the others' "
+                         "last lines when they fail)")
+    la.add_argument("command", nargs=argparse.REMAINDER, help="-- then the jaxgpt command and its arguments")
+    la.set_defaults(func=cmd_launch)
     return parser
 
 
