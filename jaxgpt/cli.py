@@ -47,7 +47,7 @@ def cmd_dry_run(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from jaxgpt.parallel import maybe_initialize_distributed
+    from jaxgpt.parallel import is_writer, maybe_initialize_distributed
 
     maybe_initialize_distributed()  # before anything else touches the devices
     from jaxgpt.metrics import read_metrics
@@ -70,6 +70,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, overrides, base=base)
     summary = train(cfg, out_dir=args.out, resume=args.resume, force=args.force, progress=not args.no_progress,
                     init_from=hf_dir)
+    if not is_writer():  # one process speaks for the job
+        return 128 + summary["signal"] if "signal" in summary else 0
     samples = [r for r in read_metrics(Path(args.out) / "metrics.jsonl") if r["type"] == "sample"]
     if samples:
         print(f"--- sample at step {samples[-1]['step']} ---\n{samples[-1]['text']}\n---")

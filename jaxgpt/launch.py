@@ -26,6 +26,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import IO
 
+MULTI_PROCESS_COMMANDS = ("train",)
 KEPT_LINES = 20  # of a process other than 0, shown when it fails
 EXIT_GRACE_S = 30.0  # how long the others may take to end by themselves after one exits with an error
 _PR_SET_PDEATHSIG = 1
@@ -90,8 +91,9 @@ def launch(command: Sequence[str], n: int, devices_per_process: int | None = Non
     """Run `python -m jaxgpt COMMAND` as `n` processes of one job; the worst exit code."""
     if n < 1:
         raise ValueError(f"-n {n}: the number of processes must be at least 1")
-    if not command:
-        raise ValueError("no command to launch (e.g. jaxgpt launch -n 2 -- train --out runs/a)")
+    if not command or command[0] not in MULTI_PROCESS_COMMANDS:
+        raise ValueError(f"jaxgpt launch runs {', '.join(MULTI_PROCESS_COMMANDS)} (e.g. jaxgpt launch -n 2 -- "
+                         "train --out runs/a); eval, generate and sweep run in one process")
     port = free_port()
     environ = os.environ if environ is None else environ
     procs: list[subprocess.Popen] = []

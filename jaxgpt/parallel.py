@@ -259,7 +259,7 @@ def distributed_env() -> dict[str, Any] | None:
       count of 1 means a single process (nothing to initialize).
     * A Cloud TPU pod: TPU_WORKER_HOSTNAMES naming more than one host, or, when that is unset,
       CLOUD_TPU_TASK_ID; JAX then reads everything from the TPU environment ({}).
-    * SLURM: JAXGPT_SLURM=1 inside `srun` lets JAX read the job's layout (SLURM_* variables).
+    * JAXGPT_DISTRIBUTED=auto: JAX detects the cluster itself (a TPU pod, SLURM, Open MPI, ...).
     """
     coordinator = os.environ.get("JAX_COORDINATOR_ADDRESS") or os.environ.get("COORDINATOR_ADDRESS")
     if coordinator:
@@ -273,7 +273,7 @@ def distributed_env() -> dict[str, Any] | None:
         return {} if len([h for h in hostnames.split(",") if h.strip()]) > 1 else None
     if os.environ.get("CLOUD_TPU_TASK_ID", "").strip():
         return {}
-    if os.environ.get("JAXGPT_SLURM") == "1" and (_env_int("SLURM_NTASKS") or 1) > 1:
+    if os.environ.get("JAXGPT_DISTRIBUTED", "").strip() == "auto":
         return {}
     return None
 

@@ -217,7 +217,7 @@ def test_aot_compile_reports_memory_without_running():
 
 def test_distributed_initialization_follows_the_environment(monkeypatch):
     for name in ("JAX_COORDINATOR_ADDRESS", "COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID",
-                 "TPU_WORKER_HOSTNAMES", "CLOUD_TPU_TASK_ID", "JAXGPT_SLURM", "SLURM_NTASKS",
+                 "TPU_WORKER_HOSTNAMES", "CLOUD_TPU_TASK_ID", "JAXGPT_DISTRIBUTED",
                  "JAXGPT_HEARTBEAT_TIMEOUT_S"):
         monkeypatch.delenv(name, raising=False)
     calls, updates = [], []
@@ -230,11 +230,9 @@ def test_distributed_initialization_follows_the_environment(monkeypatch):
     monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "host-a,host-b")
     assert parallel.distributed_env() == {}
     monkeypatch.delenv("TPU_WORKER_HOSTNAMES")
-    monkeypatch.setenv("JAXGPT_SLURM", "1")
-    monkeypatch.setenv("SLURM_NTASKS", "4")
+    monkeypatch.setenv("JAXGPT_DISTRIBUTED", "auto")
     assert parallel.distributed_env() == {}
-    monkeypatch.setenv("SLURM_NTASKS", "1")
-    assert parallel.distributed_env() is None
+    monkeypatch.delenv("JAXGPT_DISTRIBUTED")
     monkeypatch.setenv("COORDINATOR_ADDRESS", "10.0.0.1:1234")
     monkeypatch.setenv("JAX_NUM_PROCESSES", "2")
     monkeypatch.setenv("JAX_PROCESS_ID", "1")
