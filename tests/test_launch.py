@@ -31,6 +31,7 @@ TINY = ["model.context_length=16", "model.d_model=32", "model.n_heads=4", "model
         "train.eval_batches=1", "train.log_every=1", f"train.checkpoint_every={EVERY}",
         "train.keep_checkpoints=10", "train.sample_tokens=0"]
 LAYOUTS = {"data": [], "fsdp": ["train.fsdp=8"]}
+RESUMES = [("data", 2, 1), ("data", 2, 2), ("fsdp", 1, 2)]  # layout, processes before and after
 RUN_TIMEOUT_S = 600  # a guard against a hang, far above a run's time
 
 
@@ -66,7 +67,7 @@ def _truncated_copy(run: Path, to: Path) -> Path:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Each layout trained once by one process of 8 devices and by two of 4; then the first
-    checkpoint of a two-process run resumed by one process, and the other way round."""
+    checkpoint of a two-process run resumed by one process and by two, and the other way round."""
     folder = tmp_path_factory.mktemp("hosts")
     corpus, cache = write_corpus(folder / "corpus.txt"), folder / "cache"
     found = {}
@@ -75,7 +76,7 @@ def runs(tmp_path_factory):
             out = folder / f"{layout}-{n}"
             sample = ["train.sample_tokens=4"] if (layout, n) == ("fsdp", 2) else []  # what one writer writes
             found[layout, n] = (out, _launch(n, out, corpus, cache, extra + sample))
-    for layout, (before, after) in {"data": (2, 1), "fsdp": (1, 2)}.items():
+    for layout, before, after in RESUMES:
         out = _truncated_copy(found[layout, before][0], folder / f"{layout}-{before}to{after}")
         found[layout, f"{before}to{after}"] = (out, _launch(after, out, corpus, cache, LAYOUTS[layout], resume=True))
     return found
@@ -111,14 +112,23 @@ def test_process_zero_alone_writes_the_run(runs):
     assert stdout.count('"type": "summary"') == 1 and stdout.count("--- sample at step") == 1
 
 
-@pytest.mark.parametrize("layout,resumed,same_layout", [("data", "2to1", 1), ("fsdp", "1to2", 2)])
-def test_a_checkpoint_resumes_in_another_layout(runs, layout, resumed, same_layout):
-    run, stdout = runs[layout, resumed]
+@pytest.mark.parametrize("layout,before,after", RESUMES)
+def test_a_checkpoint_resumes_in_any_layout(runs, layout, before, after):
+    run, stdout = runs[layout, f"{before}to{after}"]
     assert json.loads(stdout.splitlines()[-1])["step"] == STEPS
-    uninterrupted = runs[layout, same_layout][0]
-    assert _losses(run) == _losses(uninterrupted)
-    for a, b in zip(_params(run), _params(uninterrupted), strict=True):
-        np.testing.assert_array_equal(a, b)
+    losses, saved_by, uninterrupted = _losses(run), _losses(runs[layout, before][0]), runs[layout, after][0]
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    assert all(losses[s] == saved_by[s] for s in range(1, EVERY + 1))  # the records up to the checkpoint kept
+    expected = _losses(uninterrupted)
+    if before == after:  # the same layout throughout: bitwise the uninterrupted run
+        assert losses == expected
+        for a, b in zip(_params(run), _params(uninterrupted), strict=True):
+            np.testing.assert_array_equal(a, b)
+    else:  # the steps before the checkpoint ran in the other layout: equal to float rounding
+        np.testing.assert_allclose([losses[s] for s in range(1, STEPS + 1)],
+                                   [expected[s] for s in range(1, STEPS + 1)], rtol=1e-5)
+        for a, b in zip(_params(run), _params(uninterrupted), strict=True):
+            np.testing.assert_allclose(a, b, atol=2e-6, rtol=0)
 
 
 def _wait_for(predicate, what: str, launcher: subprocess.Popen, limit_s: float = RUN_TIMEOUT_S):
