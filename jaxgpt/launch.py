@@ -140,14 +140,15 @@ def launch(command: Sequence[str], n: int, devices_per_process: int | None = Non
 
 
 def _watch(procs: list[subprocess.Popen], forwarded: set[int]) -> None:
-    """Wait for every process. One killed by a signal (not one the launcher forwarded) is lost:
-    the others, waiting on it in a collective, are stopped at once. One that exits with an error
-    while the others run gets them EXIT_GRACE_S to end by themselves (they may be failing alike)."""
+    """Wait for every process. One killed by a signal is lost: the others, waiting on it in a
+    collective, are stopped at once. One that exits with an error while the others run gives them
+    EXIT_GRACE_S to end by themselves (they may be failing alike). Ending by a signal the launcher
+    forwarded, or with its exit code (128 + N), is stopping as asked."""
     first_seen: dict[int, float] = {}
     while [proc.poll() for proc in procs].count(None):  # poll every one: any() would stop at the first
         for index, proc in enumerate(procs):
             code = proc.returncode
-            if code is None or code == 0 or -code in forwarded:
+            if code is None or code == 0 or exit_code(code) - 128 in forwarded:  # stopping as asked
                 continue
             seen = first_seen.setdefault(index, time.monotonic())
             if code < 0 or time.monotonic() - seen > EXIT_GRACE_S:

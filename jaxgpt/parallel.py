@@ -22,7 +22,9 @@ Two ways to spread one global batch over devices, both giving the update a singl
 
 Multi-host: call `maybe_initialize_distributed()` before anything else touches JAX; each process
 then feeds its own rows of the global batch (`data.get_batch(..., process_index=...)`) to
-`shard_batch`, which assembles the global array.
+`shard_batch`, which assembles the global array. Process 0 alone writes what is not a sharded
+array (`is_writer`), builds caches before the others read them (`writer_first`), and a stop is
+agreed by all (`StopVote`), since a process that stopped alone would leave the others waiting.
 """
 
 from __future__ import annotations

@@ -188,3 +188,17 @@ def test_process_env_names_the_coordinator_and_the_devices():
     assert exit_code(-signal.SIGKILL) == 137 and exit_code(3) == 3
     with pytest.raises(ValueError, match="eval, generate and sweep run in one process"):
         launch(["eval", "--run", "runs/a"], 2)
+
+
+def test_processes_ending_as_asked_are_not_lost(capsys, monkeypatch):
+    from jaxgpt import launch as launch_module
+
+    monkeypatch.setattr(launch_module, "EXIT_GRACE_S", 0.2)  # far less than the slower one needs
+    # After a forwarded SIGTERM one process may end (143) well before another finishes its checkpoint.
+    procs = [subprocess.Popen(["sh", "-c", "sleep 1; exit 143"]), subprocess.Popen(["sh", "-c", "exit 143"])]
+    launch_module._watch(procs, forwarded={signal.SIGTERM})
+    assert [p.returncode for p in procs] == [143, 143] and "lost" not in capsys.readouterr().err
+    procs = [subprocess.Popen(["sleep", "60"]), subprocess.Popen(["sh", "-c", "kill -9 $$"])]
+    launch_module._watch(procs, forwarded=set())
+    assert [p.returncode for p in procs] == [-signal.SIGKILL, -signal.SIGKILL]
+    assert "process 1 was lost (killed by SIGKILL); stopping the others" in capsys.readouterr().err
