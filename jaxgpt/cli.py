@@ -55,7 +55,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from jaxgpt.parallel import maybe_initialize_distributed
+    from jaxgpt.parallel import is_writer, maybe_initialize_distributed
 
     maybe_initialize_distributed()  # before anything else touches the devices
     from jaxgpt.metrics import read_metrics
@@ -84,6 +84,8 @@ def _train(args: argparse.Namespace) -> int:
                     init_from=hf_dir)
     if summary["event"] == "finished earlier":
         return 0  # train has said so in one line
+    if not is_writer():  # one process speaks for the job
+        return 128 + summary["signal"] if "signal" in summary else 0
     samples = [r for r in read_metrics(RunDir(args.out).metrics) if r["type"] == "sample"]
     if samples:
         print(f"--- sample at step {samples[-1]['step']} ---\n{samples[-1]['text']}\n---")
@@ -208,6 +210,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_launch(args: argparse.Namespace) -> int:
+    from jaxgpt.launch import launch
+
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    return launch(command, args.processes, args.devices_per_process, all_output=args.all_output)
+
+
 class _CommandListFormatter(argparse.RawDescriptionHelpFormatter):
     """`jaxgpt --help`: one line per command, without argparse's "{a,b,c}" header line."""
 
@@ -315,6 +324,17 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--out", required=True, help="the Hugging Face directory to write (new or empty)")
     exp.add_argument("--force", action="store_true", help="write into a non-empty --out, replacing its model files")
     exp.set_defaults(func=cmd_export_hf)
+    la = _command(sub, "launch", "train as N processes of one JAX job on this machine",
+                  "Train as N processes of one JAX job on this machine, e.g. "
+                  "jaxgpt launch -n 2 --devices-per-process 4 -- train --out runs/a")
+    la.add_argument("-n", "--processes", type=int, required=True, help="number of processes")
+    la.add_argument("--devices-per-process", type=int, default=None,
+                    help="run on the CPU with this many devices in each process (to try a layout on one machine)")
+    la.add_argument("--all-output", action="store_true",
+                    help="show every process's output, prefixed [N] (default: process 0's, and the others' "
+                         "last lines when they fail)")
+    la.add_argument("command", nargs=argparse.REMAINDER, help="-- then the jaxgpt command and its arguments")
+    la.set_defaults(func=cmd_launch)
     return parser
 
 

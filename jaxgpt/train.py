@@ -19,7 +19,7 @@ from typing import Any
 import jax
 from tqdm.auto import tqdm
 
-from jaxgpt import signals
+from jaxgpt import parallel, signals
 from jaxgpt.checkpoint import Checkpointer, finished_at, load_run_config
 from jaxgpt.config import RunConfig
 from jaxgpt.data import RunData, evaluate, prepare_data, train_batch
@@ -143,7 +143,7 @@ def _train(cfg: RunConfig, out_dir: str | Path, *, resume: bool, force: bool, pr
     elif not resume and has_checkpoints:
         raise ValueError(f"{run_dir} already holds a run; continue it with `jaxgpt train --out {run_dir} --resume` "
                          "(and the same --config/--set/--data), or choose another --out")
-    data = prepare_data(cfg, run_dir)
+    data = parallel.writer_first(lambda: prepare_data(cfg, run_dir), "prepare-data")  # builds caches once
     if data.tokenizer.kind == "char" and data.tokenizer.vocab_size < cfg.model.vocab_size:
         print(f"note: the char tokenizer has {data.tokenizer.vocab_size} tokens (the corpus's distinct "
               f"characters); model.vocab_size = {cfg.model.vocab_size} leaves "
@@ -159,7 +159,7 @@ def _train(cfg: RunConfig, out_dir: str | Path, *, resume: bool, force: bool, pr
     else:
         state = runtime.init_state()
     signals.check()  # the last moment at which a stop leaves the run directory untouched
-    main_process = jax.process_index() == 0  # the one that writes files other than checkpoints
+    main_process = parallel.is_writer()  # the one that writes files other than checkpoints
     run_dir.mkdir(parents=True, exist_ok=True)
     if main_process:
         write_atomic(files.config, cfg.to_toml())
@@ -202,6 +202,7 @@ def _loop(cfg: RunConfig, run_dir: Path, data: RunData, state: TrainState, runti
     train_loss = float("nan")
     last_eval: dict[str, float] = {}
     throughput = Throughput()
+    vote = parallel.StopVote(runtime.mesh)  # every process stops after the same step
     if main_process:
         layout = runtime.describe(state)
         print(f"{layout['mode']} on {layout['devices']} device(s)"
@@ -217,6 +218,7 @@ def _loop(cfg: RunConfig, run_dir: Path, data: RunData, state: TrainState, runti
                           "tokenizer_vocab": data.tokenizer.vocab_size, "train_tokens": len(data.tokens.train),
                           **runtime.describe(state)})
         pending: tuple[int, dict] | None = None  # read a step's metrics after dispatching the next
+        stopping = 0  # the signal every process stops for
         for step in range(start, total):
             batch = train_batch(cfg, data, step, cfg.train.seed)
             state, metrics = runtime.train_step(state, batch)
@@ -224,8 +226,9 @@ def _loop(cfg: RunConfig, run_dir: Path, data: RunData, state: TrainState, runti
                 train_loss = _log_step(pending, cfg, writer, bar, throughput, run_dir, last_saved)
             pending = (step + 1, metrics)
             done = step + 1
+            stopping = vote.vote(stop.received or 0)
             at_eval = done % cfg.train.eval_every == 0 or done == total
-            at_checkpoint = done % cfg.train.checkpoint_every == 0 or done == total or stop.received
+            at_checkpoint = done % cfg.train.checkpoint_every == 0 or done == total or stopping
             if at_eval or at_checkpoint:  # never evaluate or save a state whose loss was not checked
                 train_loss = _log_step(pending, cfg, writer, bar, throughput, run_dir, last_saved)
                 pending = None
@@ -242,19 +245,19 @@ def _loop(cfg: RunConfig, run_dir: Path, data: RunData, state: TrainState, runti
             if at_checkpoint:
                 checkpointer.save(runtime.to_saved(state), expected)
                 last_saved = done
-            if stop.received:
+            if stopping:
                 break
         if pending is not None:
             train_loss = _log_step(pending, cfg, writer, bar, throughput, run_dir, last_saved)
         checkpointer.wait()
         elapsed = time.perf_counter() - started
         finished = int(runtime.to_saved(state).step)
-        event = "end" if finished == total else f"stopped by {signal.Signals(stop.received).name}"
+        event = "end" if finished == total else f"stopped by {signal.Signals(stopping).name}"
         summary = {"type": "summary", "step": finished, "event": event, "train_loss": train_loss,
                    **last_eval, "parameters": n_params, "wall_s": round(elapsed, 2),
                    "tokens_per_s": round((finished - start) * tokens_per_step / max(elapsed, 1e-9), 1)}
-        if stop.received:
-            summary["signal"] = int(stop.received)
+        if stopping:
+            summary["signal"] = int(stopping)
         writer.write(summary)
     return summary
 
