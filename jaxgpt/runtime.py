@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 import jax
 import numpy as np
+from jax.sharding import Mesh
 
 from jaxgpt import parallel
 from jaxgpt.checkpoint import on_one_device
@@ -149,6 +150,11 @@ class Runtime:
     @property
     def mode(self) -> str:
         return self.placement.mode
+
+    @property
+    def mesh(self) -> Mesh | None:
+        """The device mesh of a sharded runtime; None for one device or pmap."""
+        return getattr(self.placement, "mesh", None)
 
     def init_state(self) -> TrainState:
         return self.placement.init_state(jax.random.key(self.cfg.train.seed))
