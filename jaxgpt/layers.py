@@ -169,16 +169,6 @@ def write_kv(cache: KV, new: KV, index_B: jax.Array) -> KV:
     return tuple(jax.vmap(write, in_axes=(1, 1, 0), out_axes=1)(c, n, index_B) for c, n in zip(cache, new))
 
 
-def write_kv(cache: KV, new: KV, index_B: jax.Array) -> KV:
-    """Write each sequence's T new keys and values into every layer's cache at its own index:
-    cache ([L, B, S, K, D], [L, B, S, K, D]), new ([L, B, T, K, D], [L, B, T, K, D])."""
-
-    def write(buffer_LSKD, new_LTKD, start):
-        return jax.lax.dynamic_update_slice(buffer_LSKD, new_LTKD.astype(buffer_LSKD.dtype), (0, start, 0, 0))
-
-    return tuple(jax.vmap(write, in_axes=(1, 1, 0), out_axes=1)(c, n, index_B) for c, n in zip(cache, new))
-
-
 class FeedForward(nn.Module):
     """Widen to hidden_size, GELU (tanh, as GPT-2) or SwiGLU, project back."""
 

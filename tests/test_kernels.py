@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import logging
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +15,7 @@ from jaxgpt.config import ConfigError, ModelConfig, RunConfig, load_config
 from jaxgpt.kernels import PORTABLE, Kernels, choose_kernels, usable
 from jaxgpt.model import forward, init_params
 
+DAY1 = str(Path(__file__).resolve().parent.parent / "experiments/day1.toml")
 BASE = ModelConfig(vocab_size=64, context_length=64, d_model=32, n_layers=2, n_heads=4, hidden_size=48)
 
 # A pairwise covering array over ten two-valued switches: every value of every pair of switches
@@ -127,5 +129,5 @@ def test_the_kernels_key_is_checked_and_leaves_the_fingerprint_alone():
 
 @pytest.mark.parametrize("overrides, name", [([], "cpu"), (["--set", "model.kernels=xla"], "xla")])
 def test_dry_run_names_the_kernels(capsys, overrides, name):
-    assert cli_main(["dry-run", "--config", "experiments/day1.toml", *overrides]) == 0
+    assert cli_main(["dry-run", "--config", DAY1, *overrides]) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["kernels"] == name
