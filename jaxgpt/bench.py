@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgpt.config import ModelConfig, RunConfig
+from jaxgpt.kernels import PORTABLE, choose_kernels
 from jaxgpt.metrics import flops_per_token, mfu
 from jaxgpt.model import forward, init_params
 
@@ -152,7 +153,8 @@ def train_record(run: RunConfig, repeats: int) -> dict[str, Any]:
     t = time_train_step(run, repeats, with_peak=True)
     fpt = flops_per_token(run.model)
     return {
-        "mode": "train", "dtype": run.model.dtype, "remat": run.model.remat, "layers": run.model.n_layers,
+        "mode": "train", "kernels": choose_kernels(run.model).name, "dtype": run.model.dtype,
+        "remat": run.model.remat, "layers": run.model.n_layers,
         "d_model": run.model.d_model, "batch": run.train.batch_size,
         "context": run.model.context_length, "step_ms": t["seconds"] * 1e3,
         "tokens_per_s": tokens / t["seconds"], "flops_per_token": fpt,
@@ -162,9 +164,13 @@ def train_record(run: RunConfig, repeats: int) -> dict[str, Any]:
 
 
 def bench_train(cfg: RunConfig, repeats: int) -> Iterator[dict[str, Any]]:
+    """Each remat x dtype with the backend's kernels, then (where they differ) the portable ones."""
     for remat in (False, True):
         for dtype in ("float32", "bfloat16"):
-            yield train_record(_with(cfg, remat=remat, dtype=dtype), repeats)
+            run = _with(cfg, remat=remat, dtype=dtype)
+            yield train_record(run, repeats)
+            if run.model.kernels != "xla" and choose_kernels(run.model) != PORTABLE:
+                yield train_record(_with(run, kernels="xla"), repeats)
 
 
 def bench_forward(cfg: RunConfig, repeats: int, lengths: tuple[int, ...] = FORWARD_LENGTHS) -> Iterator[dict[str, Any]]:
@@ -173,7 +179,8 @@ def bench_forward(cfg: RunConfig, repeats: int, lengths: tuple[int, ...] = FORWA
     if model.position == "learned" and model.context_length < max(lengths):
         model = dataclasses.replace(model, context_length=max(lengths))
     params = init_params(model, jax.random.key(0))
-    fn = jax.jit(lambda p, x: forward(p, model, x))
+    kernels = choose_kernels(model)
+    fn = jax.jit(lambda p, x: forward(p, model, x, kernels=kernels))
     for T in lengths:
         x = _tokens(model, (1, T))
         compiled, compile_s = compile_timed(fn, params, x)
@@ -221,7 +228,7 @@ def bench_compile(cfg: RunConfig, repeats: int, depths: tuple[int, ...] = COMPIL
 @functools.partial(jax.jit, static_argnames="model")
 def _recompute_next(params: Any, tokens_1P: jax.Array, length: jax.Array, model: ModelConfig) -> jax.Array:
     """Greedy next token from a forward pass over the whole (right-padded) prefix."""
-    logits_1PV = forward(params, model, tokens_1P)
+    logits_1PV = forward(params, model, tokens_1P, kernels=choose_kernels(model))
     return jnp.argmax(logits_1PV[0, length - 1]).astype(jnp.int32)
 
 

@@ -28,6 +28,7 @@ def cmd_dry_run(args: argparse.Namespace) -> int:
     import jax.numpy as jnp
 
     from jaxgpt import parallel
+    from jaxgpt.kernels import choose_kernels
     from jaxgpt.model import count_params, forward, init_params
 
     cfg = load_config(args.config, args.overrides)
@@ -35,9 +36,10 @@ def cmd_dry_run(args: argparse.Namespace) -> int:
     seq_len = args.seq_len or model.context_length
     params = jax.eval_shape(lambda: init_params(model, jax.random.key(0)))
     tokens = jax.ShapeDtypeStruct((args.batch_size, seq_len), jnp.int32)
-    logits = jax.eval_shape(lambda p, t: forward(p, model, t), params, tokens)
+    kernels = choose_kernels(model)
+    logits = jax.eval_shape(lambda p, t: forward(p, model, t, kernels=kernels), params, tokens)
     record = {"config_sha256": cfg.fingerprint(), "parameters": count_params(params),
-              "logits_shape": list(logits.shape)}
+              "logits_shape": list(logits.shape), "kernels": kernels.name}
     mode = parallel.resolve_mode(cfg.train, jax.device_count())
     mesh = parallel.make_mesh(cfg.train) if mode == "sharded" else None
     record.update({"mode": mode, "devices": jax.device_count(), **parallel.planned_memory(cfg, mesh)})

@@ -68,6 +68,7 @@ class ModelConfig:
     dtype: str = "float32"
     scan_layers: bool = True
     remat: bool = False
+    kernels: str = "auto"  # "auto": tuned for the backend (jaxgpt.kernels); "xla": the portable ones
 
     def __post_init__(self) -> None:
         s = "model"
@@ -84,6 +85,7 @@ class ModelConfig:
         _choice(s, "residual", self.residual, ("pre", "post"))
         _choice(s, "feed_forward", self.feed_forward, ("gelu", "swiglu"))
         _choice(s, "dtype", self.dtype, ("float32", "bfloat16"))
+        _choice(s, "kernels", self.kernels, ("auto", "xla"))
         if self.d_model % self.n_heads:
             raise ConfigError(
                 f"model.d_model = {self.d_model} is not divisible by model.n_heads = {self.n_heads}"
@@ -175,6 +177,7 @@ class RunConfig:
     def fingerprint(self, exclude: tuple[str, ...] = ()) -> str:
         """sha256 of the resolved config; `exclude` drops `section.key` entries (run-length keys)."""
         data = self.to_dict()
+        data["model"].pop("kernels")  # how the model is computed, not what: runs resume across it
         for dotted in exclude:
             section, key = dotted.split(".", 1)
             data[section].pop(key, None)

@@ -47,6 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgpt.config import ModelConfig
+from jaxgpt.kernels import choose_kernels
 from jaxgpt.model import Cache, Params, forward_cached, init_cache
 
 # A finished row (one that produced `stop_token`) yields this from then on.
@@ -165,7 +166,7 @@ def _start(
     options = dict(temperature=temperature, top_k=top_k, top_p=top_p, vocab_limit=vocab_limit)
     B, P = tokens_BP.shape
     logits, cache = forward_cached(params, cfg, tokens_BP, _cache_for(cfg, B, draft), all_depths=draft > 0,
-                                   fresh=True)
+                                   fresh=True, kernels=choose_kernels(cfg))
     cache["index"] = lengths_B  # each row's later writes start at its true end, over the padding
     tokens_B, drafts_BD = _next_tokens(logits, lengths_B - 1, jax.random.fold_in(key, 0), draft, options)
     state = {
@@ -194,7 +195,8 @@ def _step(params: Params, state: dict[str, Any], stop_token: jax.Array, key: jax
     rng = jax.random.fold_in(key, state["step"])
     pending_B = _at(seq_BN, length_B - 1)
     fed_BJ = jnp.concatenate([pending_B[:, None], state["drafts"]], axis=1)
-    logits, stepped_cache = forward_cached(params, cfg, fed_BJ, cache, all_depths=draft > 0)
+    logits, stepped_cache = forward_cached(params, cfg, fed_BJ, cache, all_depths=draft > 0,
+                                           kernels=choose_kernels(cfg))
     if draft:
         greedy_BJ = jnp.argmax(logits[0], axis=-1).astype(jnp.int32)
         agree_B = jnp.cumprod(greedy_BJ[:, :draft] == state["drafts"], axis=1).sum(axis=1)
@@ -210,7 +212,7 @@ def _step(params: Params, state: dict[str, Any], stop_token: jax.Array, key: jax
         window_BW = jax.vmap(lambda row, at: jax.lax.dynamic_slice(row, (at,), (W,)))(
             seq_BN, jnp.maximum(length_B - W, 0))
         logits, fresh = forward_cached(params, cfg, window_BW, _cache_for(cfg, seq_BN.shape[0], draft),
-                                       all_depths=draft > 0, fresh=True)
+                                       all_depths=draft > 0, fresh=True, kernels=choose_kernels(cfg))
         tokens_B, drafts_BD = _next_tokens(logits, jnp.full_like(length_B, W - 1), rng, draft, options)
         block_BJ = jnp.zeros_like(stepped[0]).at[:, 0].set(tokens_B)
         return _select(full_B, ((block_BJ, jnp.ones_like(length_B), drafts_BD), fresh), (stepped, stepped_cache))

@@ -1,8 +1,9 @@
 """The decoder's building blocks: norms, RoPE, causal attention with grouped KV heads, feed-forward.
 
-Shapes follow the legend in `jaxgpt.model`. Parameters are float32; `dtype` is the compute dtype
-(on the CPU, bfloat16 compute means bfloat16 matmul operands only: `activation_dtype`).
-Statistics (norms, softmax) are taken in float32 whatever the compute dtype.
+Shapes follow the legend in `jaxgpt.model`. Parameters are float32; matmul operands and the KV
+cache are in the compute dtype (`model.dtype`); statistics (norms, softmax) in float32. The
+dense layers' matmul, the attention and the GELU are the `Kernels` each module is handed
+(`jaxgpt.kernels`; the portable ones by default).
 """
 
 from __future__ import annotations
@@ -15,8 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxgpt.config import ModelConfig
-from jaxgpt.cpu_attention import REMAT_TILE, TILED_TRAIN_CONTEXT, blocked_causal_attention, causal_query_blocks
-from jaxgpt.matmul import bf16_causal_attention, cpu_bf16_dot_general, flat_dot_general
+from jaxgpt.kernels import PORTABLE, Kernels
 
 Rope = tuple[jax.Array, jax.Array]  # (cos, sin), each [B, T, D/2] float32
 KV = tuple[jax.Array, jax.Array]  # one layer's cached keys and values, each [B, S, K, D]
@@ -27,25 +27,19 @@ def compute_dtype(cfg: ModelConfig) -> Any:
     return jnp.bfloat16 if cfg.dtype == "bfloat16" else jnp.float32
 
 
-def bf16_on_cpu(cfg: ModelConfig) -> bool:
-    """bfloat16 compute on the CPU backend: bfloat16 matmul operands between float32 activations
-    (`jaxgpt.matmul`), because XLA CPU has bfloat16 matmuls but no bfloat16 arithmetic."""
-    return cfg.dtype == "bfloat16" and jax.default_backend() == "cpu"
-
-
-def activation_dtype(cfg: ModelConfig) -> Any:
-    """The dtype of activations between matmuls: the compute dtype, but float32 on the CPU."""
-    return jnp.float32 if bf16_on_cpu(cfg) else compute_dtype(cfg)
+def activation_dtype(cfg: ModelConfig, kernels: Kernels) -> Any:
+    """The dtype of activations between matmuls: the compute dtype, unless the kernels keep float32."""
+    return jnp.float32 if kernels.float32_activations else compute_dtype(cfg)
 
 
 def dense_init(cfg: ModelConfig) -> nn.initializers.Initializer:
     return nn.initializers.normal(stddev=cfg.init_std)
 
 
-def dense(cfg: ModelConfig, features: int, name: str) -> nn.Dense:
-    """`nn.Dense` (params `kernel` [in, features], `bias`) computed as one flat 2-D matmul."""
-    return nn.Dense(features, use_bias=cfg.bias, dtype=activation_dtype(cfg), kernel_init=dense_init(cfg),
-                    dot_general=cpu_bf16_dot_general if bf16_on_cpu(cfg) else flat_dot_general, name=name)
+def dense(cfg: ModelConfig, kernels: Kernels, features: int, name: str) -> nn.Dense:
+    """`nn.Dense` (params `kernel` [in, features], `bias`) multiplying with the kernels' dot_general."""
+    return nn.Dense(features, use_bias=cfg.bias, dtype=activation_dtype(cfg, kernels), kernel_init=dense_init(cfg),
+                    dot_general=kernels.dot_general, name=name)
 
 
 class LayerNorm(nn.Module):
@@ -80,9 +74,9 @@ class RMSNorm(nn.Module):
         return (y * scale).astype(self.dtype)
 
 
-def make_norm(cfg: ModelConfig, name: str | None = None) -> nn.Module:
+def make_norm(cfg: ModelConfig, kernels: Kernels, name: str | None = None) -> nn.Module:
     norm = LayerNorm if cfg.norm == "layernorm" else RMSNorm
-    return norm(eps=cfg.norm_eps, dtype=activation_dtype(cfg), name=name)
+    return norm(eps=cfg.norm_eps, dtype=activation_dtype(cfg, kernels), name=name)
 
 
 def rope_tables(positions_BT: jax.Array, head_size: int, scale: float, base: float) -> Rope:
@@ -106,11 +100,11 @@ class CausalSelfAttention(nn.Module):
 
     The query heads of one group are consecutive (head h reads KV head h // (H // K)), as Hugging
     Face's Llama lays them out, so imported weights need no permutation. `train`: the forward
-    pass of a train step, which will be differentiated; it picks the float32 CPU attention's
-    query blocks (`causal_query_blocks`) or tiles (`TILED_TRAIN_CONTEXT`), never the values.
+    pass of a train step, which will be differentiated (the kernels may lay it out for that).
     """
 
     cfg: ModelConfig
+    kernels: Kernels = PORTABLE
     deterministic: bool = True
     train: bool = False
 
@@ -125,44 +119,20 @@ class CausalSelfAttention(nn.Module):
         cfg = self.cfg
         B, T, _ = x_BTC.shape
         H, K, D = cfg.n_heads, cfg.kv_heads, cfg.head_size
-        qkv = dense(cfg, (H + 2 * K) * D, "qkv")(x_BTC)
+        qkv = dense(cfg, self.kernels, (H + 2 * K) * D, "qkv")(x_BTC)
         q_BTHD = qkv[..., : H * D].reshape(B, T, H, D)
         k_BTKD = qkv[..., H * D : (H + K) * D].reshape(B, T, K, D)
         v_BTKD = qkv[..., (H + K) * D :].reshape(B, T, K, D)
         if rope is not None:
             q_BTHD, k_BTKD = apply_rope(q_BTHD, rope), apply_rope(k_BTKD, rope)
 
-        if kv is None and bf16_on_cpu(cfg) and not (cfg.remat and T >= TILED_TRAIN_CONTEXT):
-            out_BTHD = bf16_causal_attention(q_BTHD, k_BTKD, v_BTKD, causal_query_blocks(T))
-        elif kv is None and jax.default_backend() == "cpu":
-            tiled = cfg.remat or (self.train and T >= TILED_TRAIN_CONTEXT)
-            out_BTHD = blocked_causal_attention(q_BTHD, k_BTKD, v_BTKD, tile=REMAT_TILE if tiled else None,
-                                                blocks=causal_query_blocks(T, None if self.train else B * H))
-        elif kv is None:
-            out_BTHD = accelerator_causal_attention(q_BTHD, k_BTKD, v_BTKD)
+        if kv is None:
+            out_BTHD = self.kernels.attention(q_BTHD, k_BTKD, v_BTKD, train=self.train, remat=cfg.remat)
         else:
             out_BTHD = cached_attention(q_BTHD, kv, (k_BTKD, v_BTKD), index)
         kv = None if index is None else (k_BTKD, v_BTKD)
-        out = dense(cfg, cfg.d_model, "out")(out_BTHD.reshape(B, T, H * D))
+        out = dense(cfg, self.kernels, cfg.d_model, "out")(out_BTHD.reshape(B, T, H * D))
         return nn.Dropout(cfg.dropout)(out, deterministic=self.deterministic), kv
-
-
-def accelerator_causal_attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array) -> jax.Array:
-    """The training attention on GPU and TPU: cuDNN's fused kernel on a GPU in bfloat16 or
-    float16, XLA's otherwise.
-
-    `jax.nn.dot_product_attention` runs XLA's implementation unless told otherwise (jax 0.10),
-    which writes the [B, H, T, T] scores and probabilities to memory, forward and backward.
-    cuDNN's flash attention keeps them on chip. It is asked for at trace time and refuses with
-    an error where it does not apply (no cuDNN or too old a one, a ROCm GPU, a head size or
-    layout it does not take); XLA's implementation is used then.
-    """
-    if jax.default_backend() == "gpu" and q_BTHD.dtype in (jnp.bfloat16, jnp.float16):
-        try:
-            return jax.nn.dot_product_attention(q_BTHD, k_BTKD, v_BTKD, is_causal=True, implementation="cudnn")
-        except (RuntimeError, ValueError, NotImplementedError):
-            pass
-    return jax.nn.dot_product_attention(q_BTHD, k_BTKD, v_BTKD, is_causal=True)
 
 
 def cached_attention(q_BTHD: jax.Array, cache: KV, new: KV, index_B: jax.Array) -> jax.Array:
@@ -190,10 +160,8 @@ def cached_attention(q_BTHD: jax.Array, cache: KV, new: KV, index_B: jax.Array) 
 
 
 def write_kv(cache: KV, new: KV, index_B: jax.Array) -> KV:
-    """Write each sequence's T new keys and values into every layer's cache at its own index.
-
-    cache: ([L, B, S, K, D], [L, B, S, K, D]); new: ([L, B, T, K, D], [L, B, T, K, D]).
-    """
+    """Write each sequence's T new keys and values into every layer's cache at its own index:
+    cache ([L, B, S, K, D], [L, B, S, K, D]), new ([L, B, T, K, D], [L, B, T, K, D])."""
 
     def write(buffer_LSKD, new_LTKD, start):
         return jax.lax.dynamic_update_slice(buffer_LSKD, new_LTKD.astype(buffer_LSKD.dtype), (0, start, 0, 0))
@@ -201,50 +169,22 @@ def write_kv(cache: KV, new: KV, index_B: jax.Array) -> KV:
     return tuple(jax.vmap(write, in_axes=(1, 1, 0), out_axes=1)(c, n, index_B) for c, n in zip(cache, new))
 
 
-_SQRT_2_OVER_PI = 0.7978845608028654
-
-
-@jax.custom_vjp
-def gelu_tanh(x: jax.Array) -> jax.Array:
-    """GPT-2's tanh GELU, equal to `jax.nn.gelu(x, approximate=True)` in value and gradient.
-
-    Its backward pass keeps only the input and recomputes the tanh: autodiff of the formula
-    keeps four [B, T, F] intermediates per layer, and XLA CPU fuses all of them (dynamic-sliced
-    from the scanned layer stack) into one slow, transposing loop.
-    """
-    return jax.nn.gelu(x, approximate=True)
-
-
-def _gelu_tanh_fwd(x):
-    return gelu_tanh(x), x
-
-
-def _gelu_tanh_bwd(x, g):
-    x = x.astype(jnp.float32)  # the derivative in float32, whatever the compute dtype
-    x2 = x * x
-    t = jnp.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * (x2 * x)))
-    dy_dx = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * _SQRT_2_OVER_PI * (1.0 + 3 * 0.044715 * x2)
-    return ((g.astype(jnp.float32) * dy_dx).astype(g.dtype),)
-
-
-gelu_tanh.defvjp(_gelu_tanh_fwd, _gelu_tanh_bwd)
-
-
 class FeedForward(nn.Module):
     """Widen to hidden_size, GELU (tanh, as GPT-2) or SwiGLU, project back."""
 
     cfg: ModelConfig
+    kernels: Kernels = PORTABLE
     deterministic: bool = True
 
     @nn.compact
     def __call__(self, x_BTC: jax.Array) -> jax.Array:
         cfg = self.cfg
-        up_BTF = dense(cfg, cfg.hidden_size, "up")(x_BTC)
+        up_BTF = dense(cfg, self.kernels, cfg.hidden_size, "up")(x_BTC)
         if cfg.feed_forward == "swiglu":
-            h_BTF = nn.silu(dense(cfg, cfg.hidden_size, "gate")(x_BTC)) * up_BTF
+            h_BTF = nn.silu(dense(cfg, self.kernels, cfg.hidden_size, "gate")(x_BTC)) * up_BTF
         else:
-            h_BTF = gelu_tanh(up_BTF)
-        out = dense(cfg, cfg.d_model, "down")(h_BTF)
+            h_BTF = self.kernels.gelu(up_BTF)
+        out = dense(cfg, self.kernels, cfg.d_model, "down")(h_BTF)
         return nn.Dropout(cfg.dropout)(out, deterministic=self.deterministic)
 
 
@@ -252,6 +192,7 @@ class TransformerBlock(nn.Module):
     """One decoder block, pre- or post-norm exactly as the seed's `TransformerBlock.forward`."""
 
     cfg: ModelConfig
+    kernels: Kernels = PORTABLE
     deterministic: bool = True
     train: bool = False  # a train step's forward pass (`CausalSelfAttention.train`)
 
@@ -259,22 +200,22 @@ class TransformerBlock(nn.Module):
     def __call__(
         self, x_BTC: jax.Array, rope: Rope | None, kv: KV | None = None, index: jax.Array | None = None
     ) -> tuple[jax.Array, KV | None]:
-        cfg = self.cfg
-        chex.assert_rank(x_BTC, 3)
-        chex.assert_axis_dimension(x_BTC, 2, cfg.d_model)
-        attention = CausalSelfAttention(cfg, self.deterministic, self.train, name="attention")
-        feed_forward = FeedForward(cfg, self.deterministic, name="feed_forward")
-        attention_norm = make_norm(cfg, "attention_norm")
-        feed_forward_norm = make_norm(cfg, "feed_forward_norm")
+        cfg, kernels = self.cfg, self.kernels
+        B, T, _ = x_BTC.shape
+        chex.assert_shape(x_BTC, (B, T, cfg.d_model))
+        attention = CausalSelfAttention(cfg, kernels, self.deterministic, self.train, name="attention")
+        feed_forward = FeedForward(cfg, kernels, self.deterministic, name="feed_forward")
+        attention_norm = make_norm(cfg, kernels, "attention_norm")
+        feed_forward_norm = make_norm(cfg, kernels, "feed_forward_norm")
         if cfg.residual == "pre":
             attended, kv = attention(attention_norm(x_BTC), rope, kv, index)
-            y = x_BTC + attended
-            y = y + feed_forward(feed_forward_norm(y))
+            y_BTC = x_BTC + attended
+            y_BTC = y_BTC + feed_forward(feed_forward_norm(y_BTC))
         else:
             attended, kv = attention(x_BTC, rope, kv, index)
-            y = attention_norm(x_BTC + attended)
-            y = feed_forward_norm(y + feed_forward(y))
-        y = y.astype(x_BTC.dtype)
-        chex.assert_equal_shape([x_BTC, y])
-        chex.assert_trees_all_equal_dtypes(x_BTC, y)
-        return y, kv
+            y_BTC = attention_norm(x_BTC + attended)
+            y_BTC = feed_forward_norm(y_BTC + feed_forward(y_BTC))
+        y_BTC = y_BTC.astype(x_BTC.dtype)
+        chex.assert_equal_shape([x_BTC, y_BTC])
+        chex.assert_trees_all_equal_dtypes(x_BTC, y_BTC)
+        return y_BTC, kv

@@ -16,6 +16,7 @@ import optax
 
 from jaxgpt.config import ModelConfig, RunConfig
 from jaxgpt.data import window_length  # noqa: F401  (the batch width; scripts import it from here too)
+from jaxgpt.kernels import Kernels, choose_kernels
 from jaxgpt.model import Params, forward, init_params
 from jaxgpt.optim import OptHParams, lr_schedule, make_optimizer
 
@@ -39,11 +40,15 @@ def state_from_params(cfg: RunConfig, params: Params) -> TrainState:
 
 
 def depth_losses(params: Params, model: ModelConfig, window_BW: jax.Array, *, train: bool = False,
-                 rng: jax.Array | None = None) -> jax.Array:
-    """Mean cross-entropy (float32) of each prediction depth: [1 + mtp_depth]."""
+                 rng: jax.Array | None = None, kernels: Kernels | None = None) -> jax.Array:
+    """Mean cross-entropy (float32) of each prediction depth: [1 + mtp_depth].
+
+    `kernels`: by default the ones `jaxgpt.kernels` chooses for the model on this backend.
+    """
     T = model.context_length
     inputs_BT = window_BW[:, :T]
-    logits_DBTV = forward(params, model, inputs_BT, all_depths=True, train=train, rng=rng)
+    logits_DBTV = forward(params, model, inputs_BT, all_depths=True, train=train, rng=rng,
+                          kernels=kernels or choose_kernels(model))
     targets_DBT = jnp.stack([window_BW[:, 1 + d: 1 + d + T] for d in range(1 + model.mtp_depth)])
     losses = optax.softmax_cross_entropy_with_integer_labels(logits_DBTV.astype(jnp.float32), targets_DBT)
     return losses.mean(axis=(1, 2))
@@ -58,7 +63,8 @@ def training_loss(depths: jax.Array, mtp_weight: float) -> jax.Array:
 
 def train_step(cfg: RunConfig, state: TrainState, batch_BW: jax.Array, axis_name: str | None = None, *,
                hparams: OptHParams | None = None,
-               seed: int | jax.Array | None = None) -> tuple[TrainState, dict[str, jax.Array]]:
+               seed: int | jax.Array | None = None,
+               kernels: Kernels | None = None) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimiser update from `grad_accum` equal micro-batches of the global batch.
 
     The micro-batch gradients are averaged, so the update equals one on the whole batch. Under
@@ -83,7 +89,7 @@ def train_step(cfg: RunConfig, state: TrainState, batch_BW: jax.Array, axis_name
 
         def objective(params):
             depths = depth_losses(params, model, window_BW, train=True,
-                                  rng=jax.random.fold_in(dropout_key, index))
+                                  rng=jax.random.fold_in(dropout_key, index), kernels=kernels)
             return training_loss(depths, train.mtp_weight), depths
 
         (_, depths), grads = jax.value_and_grad(objective, has_aux=True)(state.params)
@@ -106,13 +112,14 @@ def train_step(cfg: RunConfig, state: TrainState, batch_BW: jax.Array, axis_name
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
 
-def eval_step(cfg: RunConfig, params: Params, batch_BW: jax.Array) -> jax.Array:
+def eval_step(cfg: RunConfig, params: Params, batch_BW: jax.Array, kernels: Kernels | None = None) -> jax.Array:
     """Mean next-token loss (float32) of one batch, without dropout."""
-    return depth_losses(params, cfg.model, batch_BW)[0]
+    return depth_losses(params, cfg.model, batch_BW, kernels=kernels)[0]
 
 
-def compile_steps(cfg: RunConfig):
-    """The jitted train step (state buffers donated) and eval step for one config."""
-    train = jax.jit(lambda state, batch: train_step(cfg, state, batch), donate_argnums=0)
-    evaluate = jax.jit(lambda params, batch: eval_step(cfg, params, batch))
+def compile_steps(cfg: RunConfig, kernels: Kernels | None = None):
+    """The jitted train step (state buffers donated) and eval step for one config (and `kernels`,
+    by default the ones chosen for its model on this backend)."""
+    train = jax.jit(lambda state, batch: train_step(cfg, state, batch, kernels=kernels), donate_argnums=0)
+    evaluate = jax.jit(lambda params, batch: eval_step(cfg, params, batch, kernels))
     return train, evaluate

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxgpt.bench import median_time
-from jaxgpt.cpu_attention import blocked_causal_attention
+from jaxgpt.kernels.cpu_attention import blocked_causal_attention
 
 
 def jax_timings(B: int, T: int, H: int, D: int, repeats: int) -> dict[str, float]:

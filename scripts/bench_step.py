@@ -4,7 +4,7 @@
     .venv/bin/python scripts/bench_step.py --config experiments/day1.toml --set train.batch_size=32
 
 Prints one JSON line per measurement: mode, median/min step_ms, tokens_per_s, compile_s.
-Mode `step-no-attention` (CPU) times the same step with the attention replaced by a same-shape
+Mode `step-no-attention` times the same step with the kernels' attention replaced by a same-shape
 stand-in (q + k + v): its difference from `step` is what the attention costs inside the step.
 Each repeat times `--iters` consecutive calls and the median over `--repeats` is reported, so a
 neighbour's burst of CPU use shifts the minimum and median less than a single long run.
@@ -13,7 +13,7 @@ neighbour's burst of CPU use shifts the minimum and median less than a single lo
 from __future__ import annotations
 
 import argparse
-import contextlib
+import dataclasses
 import json
 import statistics
 import time
@@ -21,8 +21,8 @@ import time
 import jax
 import jax.numpy as jnp
 
-from jaxgpt import layers
 from jaxgpt.config import load_config
+from jaxgpt.kernels import choose_kernels
 from jaxgpt.model import forward
 from jaxgpt.step import compile_steps, init_state, window_length
 
@@ -38,21 +38,12 @@ def _time(fn, args, iters: int, repeats: int) -> tuple[float, float]:
     return statistics.median(per_call), min(per_call)
 
 
-@contextlib.contextmanager
-def _attention_replaced():
-    """Trace the model with the CPU attention swapped for q + k + v (same shapes, no scores)."""
-    if jax.default_backend() != "cpu":
-        raise SystemExit("step-no-attention replaces the CPU attention path; run it on the CPU")
-    real = layers.blocked_causal_attention
-
-    def stand_in(q_BTHD, k_BTKD, v_BTKD, tile=None, blocks=None):
+def _without_attention(kernels):
+    """The kernels with the attention swapped for q + k + v (same shapes, no scores)."""
+    def stand_in(q_BTHD, k_BTKD, v_BTKD, *, train=False, remat=False):
         return q_BTHD + jnp.repeat(k_BTKD + v_BTKD, q_BTHD.shape[2] // k_BTKD.shape[2], axis=2)
 
-    layers.blocked_causal_attention = stand_in
-    try:
-        yield
-    finally:
-        layers.blocked_causal_attention = real
+    return dataclasses.replace(kernels, name=f"{kernels.name} without attention", attention=stand_in)
 
 
 def main() -> None:
@@ -72,16 +63,16 @@ def main() -> None:
     tokens = B * model.context_length
 
     for mode in args.modes.split(","):
-        with _attention_replaced() if mode == "step-no-attention" else contextlib.nullcontext():
-            _measure(mode, cfg, batch, tokens, args)
+        _measure(mode, cfg, batch, tokens, args)
 
 
 def _measure(mode: str, cfg, batch: jax.Array, tokens: int, args: argparse.Namespace) -> None:
     """Compile and time one mode; prints its JSON line."""
     model = cfg.model
+    kernels = choose_kernels(model)
     state = init_state(cfg, jax.random.key(0))
     if mode in ("step", "step-no-attention"):
-        train_step, _ = compile_steps(cfg)
+        train_step, _ = compile_steps(cfg, _without_attention(kernels) if mode == "step-no-attention" else kernels)
 
         def fn(state_and_batch=None):  # the step donates its state: thread it through
             nonlocal state
@@ -90,7 +81,7 @@ def _measure(mode: str, cfg, batch: jax.Array, tokens: int, args: argparse.Names
 
         call_args: tuple = ()
     elif mode == "forward":
-        fn = jax.jit(lambda p, x: forward(p, model, x[:, :model.context_length]))
+        fn = jax.jit(lambda p, x: forward(p, model, x[:, :model.context_length], kernels=kernels))
         call_args = (state.params, batch)
     elif mode == "grad":
         from jaxgpt.step import depth_losses

@@ -52,14 +52,16 @@ def test_cli_train_prints_json_records_then_a_table(capsys) -> None:
     assert main(["bench", "train", *sets, "--repeats", "1"]) == 0
     out, err = capsys.readouterr()
     records = [json.loads(line) for line in out.splitlines()]
-    assert [(r["remat"], r["dtype"]) for r in records] == [
-        (False, "float32"), (False, "bfloat16"), (True, "float32"), (True, "bfloat16")]
+    # Each remat x dtype with the CPU's kernels, then with the portable ones.
+    assert [(r["remat"], r["dtype"], r["kernels"]) for r in records] == [
+        (remat, dtype, kernels) for remat in (False, True) for dtype in ("float32", "bfloat16")
+        for kernels in ({"float32": "cpu", "bfloat16": "cpu-bf16"}[dtype], "xla")]
     for r in records:
         assert r["mode"] == "train"
         assert _finite_positive(r["tokens_per_s"], r["step_ms"], r["mfu"], r["compile_s"], r["temp_bytes"])
         assert r["tokens_per_s"] == pytest.approx(4 * 64 / (r["step_ms"] / 1e3))
         assert r["flops_per_token"] == flops_per_token(load_config(None, TINY).model)
-    assert err.splitlines()[0].split()[:3] == ["mode", "dtype", "remat"] and len(err.splitlines()) == 5
+    assert err.splitlines()[0].split()[:4] == ["mode", "kernels", "dtype", "remat"] and len(err.splitlines()) == 9
 
 
 def test_forward_records_per_length() -> None:

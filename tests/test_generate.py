@@ -14,6 +14,7 @@ from jaxgpt import generate as generate_module
 from jaxgpt.config import ModelConfig, RunConfig, TrainConfig
 from jaxgpt.generate import (FINISHED, bucket_length, generate, generate_tokens, sample_logits,
                              slide_length)
+from jaxgpt.kernels import choose_kernels
 from jaxgpt.model import forward, init_params
 from jaxgpt.data import window_length
 from jaxgpt.step import compile_steps, init_state
@@ -32,7 +33,7 @@ def params_for(cfg: ModelConfig):
 
 @functools.partial(jax.jit, static_argnums=1)
 def _forward(params, cfg, tokens_BT):
-    return forward(params, cfg, tokens_BT)
+    return forward(params, cfg, tokens_BT, kernels=choose_kernels(cfg))  # the kernels generate runs
 
 
 def naive_greedy(cfg: ModelConfig, prompt: list[int], n: int) -> tuple[list[int], int]:

@@ -56,10 +56,11 @@ def test_depth_losses_use_shifted_targets():
     window = batch_for(cfg, 2)
     depths = depth_losses(params, cfg.model, window)
     assert depths.shape == (3,)
+    from jaxgpt.kernels import choose_kernels
     from jaxgpt.model import forward
     import optax
     T = cfg.model.context_length
-    logits = forward(params, cfg.model, window[:, :T], all_depths=True)
+    logits = forward(params, cfg.model, window[:, :T], all_depths=True, kernels=choose_kernels(cfg.model))
     second = optax.softmax_cross_entropy_with_integer_labels(logits[2], window[:, 3:3 + T]).mean()
     np.testing.assert_allclose(depths[2], second, rtol=1e-6)
 

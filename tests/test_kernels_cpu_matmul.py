@@ -14,12 +14,18 @@ import numpy as np
 import pytest
 
 from jaxgpt.config import ModelConfig
-from jaxgpt.cpu_attention import causal_query_blocks
-from jaxgpt.matmul import bf16_causal_attention, bf16_matmul, cpu_bf16_dot_general, cpu_f32_matmul, transposed_copy
+from jaxgpt.kernels import choose_kernels
+from jaxgpt.kernels.cpu_attention import causal_query_blocks
+from jaxgpt.kernels.cpu_matmul import (bf16_causal_attention, bf16_matmul, cpu_bf16_dot_general, cpu_f32_matmul,
+                                       transposed_copy)
 from jaxgpt.model import forward, init_params
 
 TINY = ModelConfig(vocab_size=64, context_length=16, d_model=32, n_layers=2, n_heads=4, dtype="bfloat16")
 cpu_only = pytest.mark.skipif(jax.default_backend() != "cpu", reason="the bfloat16-operand path is the CPU's")
+
+
+def cpu_forward(params, cfg, tokens, **kw):
+    return forward(params, cfg, tokens, kernels=choose_kernels(cfg), **kw)
 
 
 def _rounded(x):
@@ -119,7 +125,7 @@ def _matmuls(jaxpr):
 
 def _gradient(cfg, params, tokens):
     """The gradient as a train step takes it (`train=True` picks the attention's layout)."""
-    return jax.grad(lambda p: jnp.mean(forward(p, cfg, tokens, train=True) ** 2))
+    return jax.grad(lambda p: jnp.mean(cpu_forward(p, cfg, tokens, train=True) ** 2))
 
 
 @cpu_only
@@ -156,7 +162,8 @@ def test_cpu_remat_policy_keeps_the_bf16_matmuls_and_attention_inputs():
     tokens = jax.random.randint(jax.random.key(1), (B, T), 0, cfg.vocab_size)
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        jax.ad_checkpoint.print_saved_residuals(lambda p: jnp.mean(forward(p, cfg, tokens, train=True) ** 2), params)
+        jax.ad_checkpoint.print_saved_residuals(
+            lambda p: jnp.mean(cpu_forward(p, cfg, tokens, train=True) ** 2), params)
     saved = printed.getvalue()
     stacked = re.findall(r"^u16\[([\d,]+)\] output of scan", saved, re.M)
     L, C, F, N = cfg.n_layers, cfg.d_model, cfg.hidden_size, B * T

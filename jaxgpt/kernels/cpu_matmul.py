@@ -1,14 +1,14 @@
 """How the model's matmuls run: flat 2-D everywhere, and in the layouts XLA CPU runs fast.
 
-`flat_dot_general` is what every `nn.Dense` of the model calls on float32 (and on GPU/TPU); on
+`flat_dot_general` is what every `nn.Dense` of the model calls with float32 compute; on
 the CPU backend its float32 matmul is `cpu_f32_matmul`, whose kernel gradient takes the faster
 of two layouts.
 `cpu_bf16_dot_general` replaces it when the compute dtype is bfloat16 on the CPU backend: XLA CPU
 has no bfloat16 vector arithmetic (it converts to float32 and back around every elementwise op),
 but on CPUs with AVX512-BF16 or AMX its matmul runs bfloat16 operands into a float32
 accumulator at about twice the float32 rate. So there the activations stay float32 and only
-the matmul operands are bfloat16, as PyTorch's CPU autocast does (scripts/perf_notes.md,
-changes 12 to 15): `bf16_matmul` for the projections and the head, `bf16_causal_attention`
+the matmul operands are bfloat16, as PyTorch's CPU autocast does (docs/performance.md):
+`bf16_matmul` for the projections and the head, `bf16_causal_attention`
 for the attention.
 """
 
@@ -67,7 +67,7 @@ def cpu_f32_matmul(x_NC: jax.Array, w_CF: jax.Array) -> jax.Array:
     ~100 GFLOP/s when C > F (the [512, 128] gradient of a feed-forward down-projection) and at
     ~165 when C < F. Instead, as `bf16_matmul` does: for C <= F, a row-major transposed copy of
     x times g (~185); for C > F, g^T x with the small [F, C] product transposed (~160)
-    (scripts/perf_notes.md, change 19). The CPU remat policy still sees the forward matmul as a
+    (docs/performance.md). The CPU remat policy still sees the forward matmul as a
     dot, and saves its output.
     """
     return jnp.dot(x_NC, w_CF)

@@ -2,9 +2,9 @@
 
 XLA's own attention (`jax.nn.dot_product_attention`) computes the whole [T, T] square of scores
 and, on a CPU, runs its softmax backward slowly. These skip the masked upper triangle, and the
-tiles bound what a backward pass holds. `layers.CausalSelfAttention` picks among them
-(scripts/perf_notes.md changes 4, 6, 17 and 18); bfloat16 compute has its own
-(`matmul.bf16_causal_attention`). Shapes follow the legend in `jaxgpt.model`.
+tiles bound what a backward pass holds. `cpu.f32_attention` picks among them
+(docs/performance.md); bfloat16 compute has its own (`cpu_matmul.bf16_causal_attention`).
+Shapes follow the legend in `jaxgpt.model`.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import jax
 import jax.numpy as jnp
 
 # Query and key tile of the tiled attention: under `model.remat` (in bfloat16 only from
-# TILED_TRAIN_CONTEXT positions on; perf_notes 20), and for a float32 train step from
+# TILED_TRAIN_CONTEXT positions on), and for a float32 train step from
 # TILED_TRAIN_CONTEXT positions on, where it is faster and smaller without remat too
-# (0.63-0.87x the step, perf_notes 18; slower at 512 positions, 1.08x).
+# (0.63-0.87x the step; slower at 512 positions, 1.08x).
 REMAT_TILE = 128
 TILED_TRAIN_CONTEXT = 1024
 FORWARD_BLOCK_BYTES = 2**21  # the largest query block of float32 scores a forward pass alone computes
@@ -28,10 +28,10 @@ def causal_query_blocks(T: int, forward_rows: int | None = None) -> int:
     """How many equal query blocks the CPU attention splits T into, each of >= 32 queries.
 
     A train step's (and the bfloat16 attention's): 4, 2 or 1; more blocks made its backward
-    pass slower (scripts/perf_notes.md 10, item 4). A float32 forward pass alone, whose scores
+    pass slower. A float32 forward pass alone, whose scores
     hold `forward_rows` (B * H) values per query and key: more blocks, up to 32, until one
     block's scores fit in `FORWARD_BLOCK_BYTES`; at batch one and 2,048 tokens that halves the
-    forward pass's time (perf_notes 17). Smaller blocks also skip more of the masked triangle.
+    forward pass's time. Smaller blocks also skip more of the masked triangle.
     """
     n = next(n for n in (4, 2, 1) if T % n == 0 and T // n >= 32 or n == 1)
     if forward_rows is None:

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxgpt.cpu_attention import blocked_causal_attention, causal_query_blocks
+from jaxgpt.kernels.cpu_attention import blocked_causal_attention, causal_query_blocks
 
 
 def _library_attention(q, k, v):

@@ -1,0 +1,72 @@
+"""The seam between the model and the backend: a `Kernels` set, chosen once per config.
+
+    kernels = choose_kernels(cfg.model)          # where the train step and the generator are built
+    logits = forward(params, cfg.model, tokens, kernels=kernels)
+
+`model.kernels = "auto"` picks the set tuned for the backend and compute dtype: the CPU's
+(`cpu`: float32 or bfloat16-operand matmuls, blocked and tiled attention), the GPU's (`gpu`:
+cuDNN attention), the portable ones elsewhere (TPU). `"xla"` forces the portable ones (`xla`)
+everywhere. A tuned set whose kernels fail to compile for the model's shapes is replaced by
+the portable one, with one warning line saying why.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import jax
+import jax.numpy as jnp
+
+from jaxgpt.config import ModelConfig
+from jaxgpt.kernels import xla
+from jaxgpt.kernels.base import Kernels
+
+__all__ = ["Kernels", "PORTABLE", "choose_kernels", "usable"]
+
+PORTABLE = xla.KERNELS
+# What a kernel that does not apply raises when traced or compiled.
+COMPILE_ERRORS = (RuntimeError, ValueError, NotImplementedError)
+log = logging.getLogger("jaxgpt.kernels")
+
+
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+
+
+@functools.lru_cache(maxsize=None)
+def choose_kernels(model: ModelConfig, backend: str | None = None) -> Kernels:
+    """The kernels for `model` on `backend` (default: JAX's default backend)."""
+    if model.kernels == "xla":
+        return PORTABLE
+    backend = backend or jax.default_backend()
+    if backend == "cpu":  # plain XLA ops, which XLA CPU always compiles: no probe
+        from jaxgpt.kernels import cpu
+
+        return cpu.BF16 if model.dtype == "bfloat16" else cpu.F32
+    if backend == "gpu":
+        from jaxgpt.kernels import gpu
+
+        return usable(gpu.KERNELS, model)
+    return PORTABLE
+
+
+def usable(kernels: Kernels, model: ModelConfig) -> Kernels:
+    """`kernels` if its attention compiles, forward and backward, at the model's head shape
+    (one sequence of up to 256 positions); else the portable kernels, with one warning line."""
+    dtype = jnp.bfloat16 if model.dtype == "bfloat16" else jnp.float32
+    T, H, K, D = min(model.context_length, 256), model.n_heads, model.kv_heads, model.head_size
+    q = jax.ShapeDtypeStruct((1, T, H, D), dtype)
+    kv = jax.ShapeDtypeStruct((1, T, K, D), dtype)
+
+    def loss(q, k, v):
+        return kernels.attention(q, k, v, train=True, remat=model.remat).astype(jnp.float32).sum()
+
+    try:
+        jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv).compile()
+    except COMPILE_ERRORS as error:
+        log.warning("jaxgpt: %s kernels unavailable (%s); using the portable xla kernels",
+                    kernels.name, _first_line(error))
+        return PORTABLE
+    return kernels

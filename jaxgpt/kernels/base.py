@@ -1,0 +1,32 @@
+"""The seam's interface: what the model asks of a backend's kernels.
+
+The model (`jaxgpt.model`, `jaxgpt.layers`) is written once, in plain Flax; each heavy
+operation it runs is a field of the `Kernels` it is handed. Shapes follow the legend in
+`jaxgpt.model`; `dtype` arguments are the compute dtype (`model.dtype`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+
+@dataclass(frozen=True)
+class Kernels:
+    name: str
+    # `nn.Dense`'s dot_general: [..., C] x [C, F] with its dimension numbers, as `lax.dot_general`.
+    dot_general: Callable[..., Any]
+    # Causal self-attention without a cache: (q_BTHD, k_BTKD, v_BTKD, *, train, remat) -> out_BTHD.
+    # `train`: the pass will be differentiated; `remat`: its backward recomputes it (model.remat).
+    attention: Callable[..., Any]
+    # The head's logits, float32: (h_BTC, embedding_VC, dtype) tied, (h_BTC, kernel_CV, dtype) untied.
+    tied_logits: Callable[..., Any]
+    untied_logits: Callable[..., Any]
+    # GPT-2's tanh GELU, equal in value and gradient to `jax.nn.gelu(x, approximate=True)`.
+    gelu: Callable[[Any], Any]
+    # What a scanned block stack without model.remat saves for its backward pass (a
+    # `jax.checkpoint_policies` policy); None: everything autodiff keeps.
+    scan_remat_policy: Callable[..., Any] | None = None
+    # Activations between matmuls stay float32 whatever the compute dtype (only matmul operands
+    # take it): for backends with low-precision matmuls but no low-precision arithmetic.
+    float32_activations: bool = False

@@ -1,0 +1,40 @@
+"""The portable kernels: what JAX and Flax offer, on every backend.
+
+`jax.lax.dot_general` for the dense layers, `jax.nn.dot_product_attention` (XLA's
+implementation) for the attention, the embedding read backwards (`nn.Embed.attend`'s product)
+for the tied head, `jax.nn.gelu`, and XLA's own choice of what the backward pass keeps. Every
+other kernel set is tested equal to this one (tests/test_kernels.py).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxgpt.kernels.base import Kernels
+
+
+def attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, *, train: bool = False,
+              remat: bool = False) -> jax.Array:
+    """Causal attention, grouped KV heads read in place; `train` and `remat` change nothing here."""
+    return jax.nn.dot_product_attention(q_BTHD, k_BTKD, v_BTKD, is_causal=True)
+
+
+def tied_logits(h_BTC: jax.Array, embedding_VC: jax.Array, dtype: Any) -> jax.Array:
+    """h @ embedding^T (what `nn.Embed.attend` computes) in the compute dtype, float32 logits."""
+    return jnp.einsum("btc,vc->btv", h_BTC.astype(dtype), embedding_VC.astype(dtype),
+                      preferred_element_type=jnp.float32)
+
+
+def untied_logits(h_BTC: jax.Array, kernel_CV: jax.Array, dtype: Any) -> jax.Array:
+    return jnp.einsum("btc,cv->btv", h_BTC.astype(dtype), kernel_CV.astype(dtype),
+                      preferred_element_type=jnp.float32)
+
+
+KERNELS = Kernels(
+    name="xla", dot_general=jax.lax.dot_general, attention=attention, tied_logits=tied_logits,
+    untied_logits=untied_logits, gelu=functools.partial(jax.nn.gelu, approximate=True),
+)

@@ -1,0 +1,133 @@
+"""The kernels seam: the tuned kernels equal the portable ones, the choice, its switch and its fallback."""
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxgpt.cli import main as cli_main
+from jaxgpt.config import ConfigError, ModelConfig, RunConfig, load_config
+from jaxgpt.kernels import PORTABLE, Kernels, choose_kernels, usable
+from jaxgpt.model import forward, init_params
+
+DAY1 = str(Path(__file__).resolve().parent.parent / "experiments/day1.toml")
+BASE = ModelConfig(vocab_size=64, context_length=64, d_model=32, n_layers=2, n_heads=4, hidden_size=48)
+
+# A pairwise covering array over ten two-valued switches: every value of every pair of switches
+# meets in some row. Row 0 is all first values; the other five rows' columns are the ten 5-bit
+# vectors with three ones (any two of them share a one, and each has a one the other lacks).
+SWITCHES = [
+    ("position", ("learned", "rope")), ("norm", ("layernorm", "rmsnorm")), ("residual", ("pre", "post")),
+    ("feed_forward", ("gelu", "swiglu")), ("kv_heads", (4, 2)), ("tie_embeddings", (True, False)),
+    ("scan_layers", (True, False)), ("remat", (False, True)), ("mtp_depth", (0, 2)),
+    ("dtype", ("float32", "bfloat16")),
+]
+_COLUMNS = [[1 if i in ones else 0 for i in range(5)]
+            for ones in [(a, b, c) for a in range(5) for b in range(a + 1, 5) for c in range(b + 1, 5)]]
+COMBOS = [{name: values[0] for name, values in SWITCHES}] + [
+    {name: values[_COLUMNS[j][row]] for j, (name, values) in enumerate(SWITCHES)} for row in range(5)]
+
+
+def test_the_rows_cover_every_pair_of_switch_values():
+    for i, (a, a_values) in enumerate(SWITCHES):
+        for b, b_values in SWITCHES[i + 1:]:
+            met = {(combo[a], combo[b]) for combo in COMBOS}
+            assert met == {(x, y) for x in a_values for y in b_values}, (a, b)
+
+
+def _outputs(cfg: ModelConfig, kernels: Kernels, params, tokens, cotangent):
+    """Logits at every depth of a train step's forward pass and the gradient they feed back."""
+    def loss(p):
+        logits = forward(p, cfg, tokens, all_depths=True, train=True, kernels=kernels)
+        return jnp.sum(logits * cotangent), logits
+    (_, logits), grads = jax.value_and_grad(loss, has_aux=True)(params)
+    return logits, grads
+
+
+@pytest.mark.parametrize("combo", COMBOS, ids=lambda c: "-".join(str(v) for v in c.values()))
+def test_tuned_kernels_equal_the_portable_ones(combo):
+    # float32: within 1e-5 (gradients: 1e-5 of their largest entry where that exceeds 1).
+    # bfloat16: the portable kernels round every activation to bfloat16, the CPU ones only matmul
+    # operands, so they differ by bfloat16 rounding: within 0.05 on the logits (about 1, the bound
+    # of bfloat16 against float32 in test_model.py) and 5 % of each gradient's largest entry.
+    cfg = dataclasses.replace(BASE, **combo)
+    tuned = choose_kernels(cfg)
+    assert tuned != PORTABLE
+    params = init_params(cfg, jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (2, cfg.context_length), 0, cfg.vocab_size)
+    cotangent = jax.random.normal(jax.random.key(2), (1 + cfg.mtp_depth, 2, cfg.context_length, cfg.vocab_size))
+    both = jax.jit(lambda p: (_outputs(cfg, PORTABLE, p, tokens, cotangent),
+                              _outputs(cfg, tuned, p, tokens, cotangent)),
+                   compiler_options={"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True})
+    (want_logits, want_grads), (got_logits, got_grads) = both(params)
+    f32 = cfg.dtype == "float32"
+    np.testing.assert_allclose(got_logits, want_logits, rtol=0, atol=1e-5 if f32 else 0.05)
+    for (path, got), want in zip(jax.tree_util.tree_leaves_with_path(got_grads), jax.tree_util.tree_leaves(want_grads)):
+        scale = float(jnp.abs(want).max())
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * max(1.0, scale) if f32 else 0.05 * scale,
+                                   err_msg=jax.tree_util.keystr(path))
+
+
+def test_choice_follows_backend_dtype_and_the_switch():
+    assert choose_kernels(BASE, "cpu").name == "cpu"
+    assert choose_kernels(dataclasses.replace(BASE, dtype="bfloat16"), "cpu").name == "cpu-bf16"
+    assert choose_kernels(BASE, "tpu") is PORTABLE
+    for backend in ("cpu", "gpu", "tpu"):
+        assert choose_kernels(dataclasses.replace(BASE, kernels="xla"), backend) is PORTABLE
+
+
+def test_a_kernel_that_fails_to_compile_falls_back_to_the_portable_ones_with_one_warning(caplog):
+    def refusing(q, k, v, *, train=False, remat=False):
+        raise NotImplementedError("no such kernel here\nsecond line")
+
+    broken = dataclasses.replace(PORTABLE, name="broken", attention=refusing)
+    with caplog.at_level(logging.WARNING, logger="jaxgpt.kernels"):
+        assert usable(broken, BASE) is PORTABLE
+        assert usable(PORTABLE, BASE) is PORTABLE
+    assert [r.getMessage() for r in caplog.records] == [
+        "jaxgpt: broken kernels unavailable (NotImplementedError: no such kernel here); "
+        "using the portable xla kernels"]
+
+
+def test_gpu_kernels_without_cudnn_fall_back_through_the_real_library(caplog):
+    # Here (no GPU) jax refuses cuDNN's attention; in bfloat16 the GPU set asks for it.
+    cfg = dataclasses.replace(BASE, dtype="bfloat16", n_layers=1)
+    with caplog.at_level(logging.WARNING, logger="jaxgpt.kernels"):
+        assert choose_kernels(cfg, "gpu") is PORTABLE
+    assert len(caplog.records) == 1 and "gpu kernels unavailable" in caplog.records[0].getMessage()
+
+
+@pytest.mark.parametrize("dtype, asked", [(jnp.bfloat16, ["cudnn"]), (jnp.float16, ["cudnn"]), (jnp.float32, [None])])
+def test_gpu_attention_asks_cudnn_in_half_precision_only(monkeypatch, random_qkv, dtype, asked):
+    from jaxgpt.kernels import gpu
+
+    calls = []
+
+    def recording(q, k, v, *, is_causal, implementation=None):
+        assert is_causal
+        calls.append(implementation)
+        return q
+
+    monkeypatch.setattr(jax.nn, "dot_product_attention", recording)
+    q, k, v = random_qkv(2, 16, 4, 2, 8, dtype)
+    gpu.KERNELS.attention(q, k, v, train=True)
+    assert calls == asked
+
+
+def test_the_kernels_key_is_checked_and_leaves_the_fingerprint_alone():
+    with pytest.raises(ConfigError, match=r"model\.kernels = 'fast' is not one of auto, xla"):
+        load_config(None, ["model.kernels=fast"])
+    portable = load_config(None, ["model.kernels=xla"])
+    assert portable.model.kernels == "xla"
+    assert portable.fingerprint() == RunConfig().fingerprint()
+
+
+@pytest.mark.parametrize("overrides, name", [([], "cpu"), (["--set", "model.kernels=xla"], "xla")])
+def test_dry_run_names_the_kernels(capsys, overrides, name):
+    assert cli_main(["dry-run", "--config", DAY1, *overrides]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["kernels"] == name
