@@ -51,15 +51,17 @@ def cmd_dry_run(args: argparse.Namespace) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from jaxgpt import signals
+    from jaxgpt.parallel import maybe_initialize_distributed
 
-    with signals.handled():  # from the start: a signal during the imports below is kept for later
+    # Before anything else touches the devices, and before our handlers: joining a job installs
+    # JAX's own SIGTERM notifier, which would otherwise take SIGTERM from them.
+    maybe_initialize_distributed()
+    with signals.handled():  # a signal during the imports and start-up below is kept for later
         return _train(args)
 
 
 def _train(args: argparse.Namespace) -> int:
-    from jaxgpt.parallel import is_writer, maybe_initialize_distributed
-
-    maybe_initialize_distributed()  # before anything else touches the devices
+    from jaxgpt.parallel import is_writer
     from jaxgpt.metrics import read_metrics
     from jaxgpt.train import train
 
