@@ -130,21 +130,24 @@ def _script(name: str) -> types.ModuleType:
     return module
 
 
-def test_no_attention_probe_reaches_the_model_and_is_undone() -> None:
-    # scripts/bench_step.py's step-no-attention mode: if the model stopped calling the patched
-    # function, the probe would silently time the full step; if it leaked, later steps would lie.
+def test_no_attention_probe_swaps_the_attention_alone() -> None:
+    # scripts/bench_step.py's step-no-attention mode: if the model stopped calling the kernels'
+    # attention, the probe would silently time the full step; the other kernels stay the same.
+    import dataclasses
+
     import jax.numpy as jnp
 
+    from jaxgpt.kernels import PORTABLE
     from jaxgpt.model import forward
 
     cfg = load_config(None, TINY)
     params = init_params(cfg.model, jax.random.key(0))
     tokens = jnp.arange(2 * 16, dtype=jnp.int32).reshape(2, 16) % cfg.model.vocab_size
-    real = forward(params, cfg.model, tokens)
-    with _script("bench_step")._attention_replaced():
-        probed = forward(params, cfg.model, tokens)
-    assert not jnp.allclose(real, probed, atol=1e-3)
-    assert jnp.array_equal(real, forward(params, cfg.model, tokens))
+    probe = _script("bench_step")._without_attention(PORTABLE)
+    real = forward(params, cfg.model, tokens, kernels=PORTABLE)
+    assert not jnp.allclose(real, forward(params, cfg.model, tokens, kernels=probe), atol=1e-3)
+    same = [f.name for f in dataclasses.fields(PORTABLE) if f.name not in ("name", "attention")]
+    assert all(getattr(probe, name) is getattr(PORTABLE, name) for name in same)
 
 
 def test_attention_bench_times_each_jax_implementation() -> None:
