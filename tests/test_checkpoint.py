@@ -12,6 +12,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from conftest import xla_flags
 
 import jaxgpt.train as train_module
 from jaxgpt.checkpoint import Checkpointer, load_run, load_run_config
@@ -301,7 +302,7 @@ def test_sigterm_checkpoints_the_current_step_then_resume_matches(reference, cor
 
 
 def devices_env(devices: int) -> dict[str, str]:
-    return {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+    return {**os.environ, "XLA_FLAGS": xla_flags(devices)}
 
 
 def train_losses(run: Path) -> dict[int, float]:

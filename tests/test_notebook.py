@@ -13,6 +13,7 @@ from pathlib import Path
 
 import jax
 import pytest
+from conftest import xla_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "experiments" / "colab.ipynb"
@@ -100,7 +101,7 @@ def wheel(tmp_path_factory) -> Path:
 def _run(python: Path, notebook: Path, cells: int, **env: str) -> subprocess.CompletedProcess:
     environ = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}  # no jaxgpt on the path
     environ.update({"PIP_NO_INDEX": "1", "PIP_DISABLE_PIP_VERSION_CHECK": "1",  # offline: all it needs is here
-                    "XLA_FLAGS": "--xla_force_host_platform_device_count=1", **env})
+                    "XLA_FLAGS": xla_flags(1), **env})
     return subprocess.run([str(python), "-c", RUNNER, str(notebook), str(cells)], cwd=notebook.parent,
                           env=environ, capture_output=True, text=True, timeout=300)
 

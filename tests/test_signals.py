@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import xla_flags
 
 from jaxgpt import signals
 
@@ -31,7 +32,7 @@ def write_corpus(path: Path) -> Path:
 def start(tmp_path: Path) -> tuple[subprocess.Popen, Path, Path]:
     """`jaxgpt train` with a fresh cache, so it builds its tokenizer and token files and compiles."""
     corpus, run, cache = write_corpus(tmp_path / "corpus.txt"), tmp_path / "run", tmp_path / "cache"
-    env = {**os.environ, "JAXGPT_CACHE": str(cache), "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    env = {**os.environ, "JAXGPT_CACHE": str(cache), "XLA_FLAGS": xla_flags(1)}
     args = [sys.executable, "-m", "jaxgpt", "train", "--no-progress", "--data", str(corpus), "--out", str(run)]
     args += [a for o in TINY for a in ("--set", o)]
     process = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
