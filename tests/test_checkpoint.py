@@ -91,6 +91,13 @@ def stop_at(step: int, monkeypatch):
     monkeypatch.setattr(Runtime, "train_step", step_then_signal)
 
 
+def train_stopped_at(step: int, corpus, run, monkeypatch, resume: bool = False) -> dict:
+    """Train the test config into `run`, stopped by SIGTERM after `step` steps (with a checkpoint there)."""
+    with monkeypatch.context() as patch:
+        stop_at(step, patch)
+        return train_module.train(config(corpus), run, resume=resume, progress=False)
+
+
 def test_stop_then_resume_is_bitwise_identical(reference, corpus, tmp_path, monkeypatch):
     ref_run, ref_state, ref_records = reference
     run = tmp_path / "run"
@@ -117,9 +124,7 @@ def damage(checkpoint: Path) -> None:
 def test_damaged_newest_checkpoint_falls_back_by_name(reference, corpus, tmp_path, monkeypatch, capsys):
     _, ref_state, _ = reference
     run = tmp_path / "run"
-    with monkeypatch.context() as patch:
-        stop_at(16, patch)
-        train_module.train(config(corpus), run, progress=False)
+    train_stopped_at(16, corpus, run, monkeypatch)
     newest = run / "checkpoints" / "16"
     damage(newest)
     capsys.readouterr()
@@ -131,9 +136,7 @@ def test_damaged_newest_checkpoint_falls_back_by_name(reference, corpus, tmp_pat
 
 def test_missing_files_are_damage_too(reference, corpus, tmp_path, monkeypatch, capsys):
     run = tmp_path / "run"
-    with monkeypatch.context() as patch:
-        stop_at(8, patch)
-        train_module.train(config(corpus), run, progress=False)
+    train_stopped_at(8, corpus, run, monkeypatch)
     for path in (run / "checkpoints" / "8" / "state").rglob("*"):
         if path.is_file() and "manifest" not in path.name:
             path.unlink()
@@ -148,14 +151,10 @@ def test_missing_files_are_damage_too(reference, corpus, tmp_path, monkeypatch, 
 def test_the_same_step_damaged_twice_is_moved_aside_twice(reference, corpus, tmp_path, monkeypatch, capsys):
     _, ref_state, _ = reference
     run = tmp_path / "run"
-    with monkeypatch.context() as patch:
-        stop_at(8, patch)
-        train_module.train(config(corpus), run, progress=False)
+    train_stopped_at(8, corpus, run, monkeypatch)
     for _ in range(2):  # damaged, moved aside, retrained to the same step, damaged again
         damage(run / "checkpoints" / "8")
-        with monkeypatch.context() as patch:
-            stop_at(8, patch)
-            summary = train_module.train(config(corpus), run, resume=True, progress=False)
+        summary = train_stopped_at(8, corpus, run, monkeypatch, resume=True)
         assert summary["step"] == 8
     names = sorted(p.name for p in (run / "checkpoints").iterdir())
     assert names == ["4", "8", "damaged-8", "damaged-8-1"]
@@ -165,9 +164,7 @@ def test_the_same_step_damaged_twice_is_moved_aside_twice(reference, corpus, tmp
 
 def test_resume_with_no_intact_checkpoint_is_a_clear_error(corpus, tmp_path, monkeypatch, capsys):
     run = tmp_path / "run"
-    with monkeypatch.context() as patch:
-        stop_at(4, patch)
-        train_module.train(config(corpus), run, progress=False)
+    train_stopped_at(4, corpus, run, monkeypatch)
     (run / "checkpoints" / "4" / "manifest" / "metadata").write_text("{not json")
     args = ["train", "--out", str(run), "--resume", "--no-progress"] + [a for o in OVERRIDES for a in ("--set", o)]
     assert main([*args, "--data", str(corpus)]) == 2
