@@ -1,5 +1,6 @@
 """The project's own files: what `make train` and `make test` install, the licence, the README."""
 
+import os
 import shutil
 import subprocess
 import tomllib
@@ -11,7 +12,10 @@ README = (ROOT / "README.md").read_text(encoding="utf-8")
 
 def _make_dry_run(folder: Path, target: str) -> list[str]:
     """The commands `make TARGET` would run in `folder`, without running them."""
-    result = subprocess.run(["make", "-n", target], cwd=folder, capture_output=True, text=True, timeout=60)
+    # Under `make test` the parent make's variables would turn on "Entering directory" lines.
+    env = {key: value for key, value in os.environ.items() if key not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
+    result = subprocess.run(["make", "-n", "--no-print-directory", target], cwd=folder, env=env,
+                            capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     return result.stdout.splitlines()
 
