@@ -2,7 +2,7 @@
 
     jaxgpt launch -n 2 --devices-per-process 4 -- train --out runs/two
 
-Each process gets the variables `parallel.distributed_env` reads (JAX_COORDINATOR_ADDRESS on a
+Each process gets the variables `distributed.distributed_env` reads (JAX_COORDINATOR_ADDRESS on a
 free local port, JAX_NUM_PROCESSES, JAX_PROCESS_ID) and runs `python -m jaxgpt COMMAND...`.
 Process 0's output is shown as it comes; the others' is kept (their last lines are shown, prefixed,
 when they fail) or, with `all_output`, shown prefixed with the process index. Ctrl-C and SIGTERM
@@ -143,21 +143,27 @@ def _watch(procs: list[subprocess.Popen], forwarded: set[int]) -> None:
     """Wait for every process. One killed by a signal is lost: the others, waiting on it in a
     collective, are stopped at once. One that exits with an error while the others run gives them
     EXIT_GRACE_S to end by themselves (they may be failing alike). Ending by a signal the launcher
-    forwarded, or with its exit code (128 + N), is stopping as asked."""
+    forwarded, or with its exit code (128 + N), is stopping as asked. A loss is named even when the
+    others died of it before the launcher looked (a collective's peer gone aborts a process)."""
     first_seen: dict[int, float] = {}
-    while [proc.poll() for proc in procs].count(None):  # poll every one: any() would stop at the first
-        for index, proc in enumerate(procs):
-            code = proc.returncode
+    while True:
+        codes = [proc.poll() for proc in procs]  # poll every one: any() would stop at the first
+        running = codes.count(None)
+        lost = []
+        for index, code in enumerate(codes):
             if code is None or code == 0 or exit_code(code) - 128 in forwarded:  # stopping as asked
                 continue
             seen = first_seen.setdefault(index, time.monotonic())
-            if code < 0 or time.monotonic() - seen > EXIT_GRACE_S:
-                print(f"jaxgpt launch: process {index} was lost ({describe_end(code)}); stopping the others",
-                      file=sys.stderr, flush=True)
-                for other in procs:
-                    if other.poll() is None:
-                        other.kill()
-                for other in procs:
-                    other.wait()
-                return
+            if code < 0 or (running and time.monotonic() - seen > EXIT_GRACE_S):
+                lost.append(index)
+        for index in lost:
+            print(f"jaxgpt launch: process {index} was lost ({describe_end(codes[index])})"
+                  + ("; stopping the others" if running else ""), file=sys.stderr, flush=True)
+        if lost or not running:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+            for proc in procs:
+                proc.wait()
+            return
         time.sleep(0.2)
