@@ -51,6 +51,10 @@ def on_one_device(abstract: Any) -> Any:
                                   abstract)
 
 
+# A reader lists the checkpoints while a trainer may remove old ones (keep_checkpoints).
+READER_OPEN_ATTEMPTS = 5
+
+
 class Checkpointer:
     """The checkpoints of one run. `read_only` opens them as a reader: no save, no cleanup of the
     temporary folders a trainer may be writing, no move of a damaged checkpoint."""
@@ -62,12 +66,17 @@ class Checkpointer:
         self.manager = self._open()
 
     def _open(self) -> ocp.CheckpointManager:
-        if self.read_only:
-            options = ocp.CheckpointManagerOptions(read_only=True, create=False, cleanup_tmp_directories=False,
-                                                   enable_async_checkpointing=False, save_root_metadata=False)
-        else:
+        if not self.read_only:
             options = ocp.CheckpointManagerOptions(max_to_keep=self.keep, create=True, cleanup_tmp_directories=True,
                                                    enable_async_checkpointing=True)
+            return ocp.CheckpointManager(self.directory, options=options, item_names=("state", "manifest"))
+        options = ocp.CheckpointManagerOptions(read_only=True, create=False, cleanup_tmp_directories=False,
+                                               enable_async_checkpointing=False, save_root_metadata=False)
+        for _ in range(READER_OPEN_ATTEMPTS - 1):
+            try:
+                return ocp.CheckpointManager(self.directory, options=options, item_names=("state", "manifest"))
+            except (FileNotFoundError, NotADirectoryError):
+                pass  # a trainer removed an old checkpoint while Orbax listed them: list them again
         return ocp.CheckpointManager(self.directory, options=options, item_names=("state", "manifest"))
 
     def save(self, state: TrainState, manifest: dict[str, Any]) -> None:

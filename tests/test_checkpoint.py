@@ -24,8 +24,9 @@ from jaxgpt.step import init_state
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 24
-# The Day 1 model on a tiny corpus, small batches so a run takes seconds.
-OVERRIDES = ["train.batch_size=8", "train.warmup_steps=4", f"train.steps={STEPS}", "train.checkpoint_every=4",
+# A tiny model on a tiny corpus, small batches so a run takes seconds.
+OVERRIDES = ["model.context_length=32", "model.d_model=32", "model.n_heads=4", "train.batch_size=8",
+             "train.warmup_steps=4", f"train.steps={STEPS}", "train.checkpoint_every=4",
              "train.eval_every=8", "train.eval_batches=2", "train.log_every=1", "train.sample_tokens=0",
              "train.keep_checkpoints=10", "data.tokenizer=char", "model.vocab_size=64"]
 TIMING_KEYS = {"tokens_per_s", "wall_s"}
@@ -113,12 +114,13 @@ def test_stop_then_resume_is_bitwise_identical(reference, corpus, tmp_path, monk
 
 
 def damage(checkpoint: Path) -> None:
-    """Flip one byte in the middle of the biggest state file of `checkpoint`."""
-    victims = [p for p in checkpoint.rglob("*") if p.is_file() and p.stat().st_size > 64 and "state" in str(p)]
-    data_file = max(victims, key=lambda p: p.stat().st_size)
-    blob = bytearray(data_file.read_bytes())
-    blob[len(blob) // 2] ^= 0xFF
-    data_file.write_bytes(bytes(blob))
+    """Flip one byte in the middle of every data file of `checkpoint`'s state (one file alone may
+    hold only bytes a restore never reads)."""
+    for data_file in (checkpoint / "state").rglob("*"):
+        if data_file.is_file() and data_file.stat().st_size > 64:
+            blob = bytearray(data_file.read_bytes())
+            blob[len(blob) // 2] ^= 0xFF
+            data_file.write_bytes(bytes(blob))
 
 
 def test_damaged_newest_checkpoint_falls_back_by_name(reference, corpus, tmp_path, monkeypatch, capsys):
@@ -178,7 +180,7 @@ def test_fresh_resume_says_so(corpus, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("change,message", [
-    (["--set", "model.d_model=64"], "model.d_model was 128, now 64"),
+    (["--set", "model.d_model=64"], "model.d_model was 32, now 64"),
     (["--set", "data.tokenizer=bpe", "--set", "model.vocab_size=300"], "data.tokenizer was 'char', now 'bpe'"),
     (["--data", "OTHER"], "data.source was"),
     # another optimiser's state is another tree: not even --force resumes with it
@@ -354,3 +356,21 @@ def test_a_reader_looping_while_a_run_trains_harms_nothing(corpus, tmp_path):
     assert reads >= 2
     assert verify_every_checkpoint(run) == [34, 36, 38, 40]
     assert not [p.name for p in (run / "checkpoints").iterdir() if p.name.startswith("damaged")]
+
+
+def test_a_reader_lists_again_when_a_checkpoint_vanishes_while_it_lists(reference, monkeypatch):
+    import orbax.checkpoint as ocp
+
+    ref_run, ref_state, _ = reference
+    real, failures = ocp.CheckpointManager, []
+
+    def vanishing_once(*args, **kwargs):  # what Orbax raises when a listed step folder is removed
+        if not failures:
+            failures.append(1)
+            raise NotADirectoryError(f"Path is not a directory: {ref_run / 'checkpoints' / '4'}")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ocp, "CheckpointManager", vanishing_once)
+    _, params = load_run(ref_run)
+    assert failures and [p.tolist() for p in jax.tree_util.tree_leaves(params)] == [
+        p.tolist() for p in jax.tree_util.tree_leaves(ref_state.params)]
