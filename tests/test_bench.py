@@ -13,6 +13,7 @@ from jaxgpt import bench
 from jaxgpt.cli import main
 from jaxgpt.config import ModelConfig, load_config
 from jaxgpt.generate import generate
+from jaxgpt.kernels import choose_kernels
 from jaxgpt.metrics import flops_per_token
 from jaxgpt.model import init_params
 
@@ -48,20 +49,28 @@ def test_nominal_peak_of_known_accelerators(monkeypatch, kind: str, peak: float)
 
 
 def test_cli_train_prints_json_records_then_a_table(capsys) -> None:
-    sets = [arg for item in TINY for arg in ("--set", item)]
+    sets = [arg for item in [*TINY, "model.kernels=xla"] for arg in ("--set", item)]
     assert main(["bench", "train", *sets, "--repeats", "1"]) == 0
     out, err = capsys.readouterr()
     records = [json.loads(line) for line in out.splitlines()]
-    # Each remat x dtype with the CPU's kernels, then with the portable ones.
     assert [(r["remat"], r["dtype"], r["kernels"]) for r in records] == [
-        (remat, dtype, kernels) for remat in (False, True) for dtype in ("float32", "bfloat16")
-        for kernels in ({"float32": "cpu", "bfloat16": "cpu-bf16"}[dtype], "xla")]
+        (remat, dtype, "xla") for remat in (False, True) for dtype in ("float32", "bfloat16")]
     for r in records:
         assert r["mode"] == "train"
         assert _finite_positive(r["tokens_per_s"], r["step_ms"], r["mfu"], r["compile_s"], r["temp_bytes"])
         assert r["tokens_per_s"] == pytest.approx(4 * 64 / (r["step_ms"] / 1e3))
         assert r["flops_per_token"] == flops_per_token(load_config(None, TINY).model)
-    assert err.splitlines()[0].split()[:4] == ["mode", "kernels", "dtype", "remat"] and len(err.splitlines()) == 9
+    assert err.splitlines()[0].split()[:4] == ["mode", "kernels", "dtype", "remat"] and len(err.splitlines()) == 5
+
+
+def test_train_grid_times_the_portable_kernels_beside_tuned_ones(monkeypatch) -> None:
+    timed = []
+    monkeypatch.setattr(bench, "train_record", lambda run, repeats: timed.append(run.model) or {})
+    list(bench.bench_train(load_config(None, TINY), 1))
+    # Each remat x dtype with the CPU's kernels, then with the portable ones.
+    assert [(m.remat, m.dtype, choose_kernels(m).name) for m in timed] == [
+        (remat, dtype, kernels) for remat in (False, True) for dtype in ("float32", "bfloat16")
+        for kernels in ({"float32": "cpu", "bfloat16": "cpu-bf16"}[dtype], "xla")]
 
 
 def test_forward_records_per_length() -> None:
