@@ -51,7 +51,7 @@ def cmd_dry_run(args: argparse.Namespace) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from jaxgpt import signals
-    from jaxgpt.parallel import maybe_initialize_distributed
+    from jaxgpt.distributed import maybe_initialize_distributed
 
     # Before anything else touches the devices, and before our handlers: joining a job installs
     # JAX's own SIGTERM notifier, which would otherwise take SIGTERM from them.
@@ -61,7 +61,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from jaxgpt.parallel import is_writer
+    from jaxgpt.distributed import is_writer
     from jaxgpt.metrics import read_metrics
     from jaxgpt.train import train
 
@@ -189,7 +189,7 @@ def cmd_import_hf(args: argparse.Namespace) -> int:
 
 def cmd_export_hf(args: argparse.Namespace) -> int:
     from jaxgpt.checkpoint import load_run
-    from jaxgpt.hf import check_export_dir, dropped_on_export, export_hf
+    from jaxgpt.hf_export import check_export_dir, dropped_on_export, export_hf
 
     check_export_dir(args.out, args.force)  # before the checkpoint is read: a refusal costs nothing
     model, params = load_run(args.run)

@@ -19,7 +19,7 @@ from typing import Any
 import jax
 from tqdm.auto import tqdm
 
-from jaxgpt import parallel, signals
+from jaxgpt import distributed, signals
 from jaxgpt.checkpoint import Checkpointer, finished_at, load_run_config
 from jaxgpt.config import RunConfig
 from jaxgpt.data import RunData, evaluate, prepare_data, train_batch
@@ -143,7 +143,7 @@ def _train(cfg: RunConfig, out_dir: str | Path, *, resume: bool, force: bool, pr
     elif not resume and has_checkpoints:
         raise ValueError(f"{run_dir} already holds a run; continue it with `jaxgpt train --out {run_dir} --resume` "
                          "(and the same --config/--set/--data), or choose another --out")
-    data = parallel.writer_first(lambda: prepare_data(cfg, run_dir), "prepare-data")  # builds caches once
+    data = distributed.writer_first(lambda: prepare_data(cfg, run_dir), "prepare-data")  # builds caches once
     if data.tokenizer.kind == "char" and data.tokenizer.vocab_size < cfg.model.vocab_size:
         print(f"note: the char tokenizer has {data.tokenizer.vocab_size} tokens (the corpus's distinct "
               f"characters); model.vocab_size = {cfg.model.vocab_size} leaves "
@@ -159,7 +159,7 @@ def _train(cfg: RunConfig, out_dir: str | Path, *, resume: bool, force: bool, pr
     else:
         state = runtime.init_state()
     signals.check()  # the last moment at which a stop leaves the run directory untouched
-    main_process = parallel.is_writer()  # the one that writes files other than checkpoints
+    main_process = distributed.is_writer()  # the one that writes files other than checkpoints
     run_dir.mkdir(parents=True, exist_ok=True)
     if main_process:
         write_atomic(files.config, cfg.to_toml())
@@ -202,7 +202,7 @@ def _loop(cfg: RunConfig, run_dir: Path, data: RunData, state: TrainState, runti
     train_loss = float("nan")
     last_eval: dict[str, float] = {}
     throughput = Throughput()
-    vote = parallel.StopVote(runtime.mesh)  # every process stops after the same step
+    vote = distributed.StopVote(runtime.mesh)  # every process stops after the same step
     if main_process:
         layout = runtime.describe(state)
         print(f"{layout['mode']} on {layout['devices']} device(s)"

@@ -17,7 +17,8 @@ import jax
 
 from jaxgpt.config import ModelConfig
 from jaxgpt.generate import generate
-from jaxgpt.hf import export_hf, import_hf, import_hf_run
+from jaxgpt.hf import import_hf, import_hf_run
+from jaxgpt.hf_export import export_hf
 from jaxgpt.model import forward, init_params
 
 VOCAB = 100

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxgpt import parallel
+from jaxgpt import distributed, parallel
 from jaxgpt.config import RunConfig, load_config
 from jaxgpt.data import get_batch
 from jaxgpt.step import init_state, train_step, window_length
@@ -224,24 +224,24 @@ def test_distributed_initialization_follows_the_environment(monkeypatch):
     monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: calls.append(kw))
     monkeypatch.setattr(jax.distributed, "is_initialized", lambda: bool(calls))
     monkeypatch.setattr(jax.config, "update", lambda name, value: updates.append((name, value)))
-    assert parallel.maybe_initialize_distributed() is False and calls == [] and updates == []
+    assert distributed.maybe_initialize_distributed() is False and calls == [] and updates == []
     monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "only-host")
-    assert parallel.distributed_env() is None
+    assert distributed.distributed_env() is None
     monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "host-a,host-b")
-    assert parallel.distributed_env() == {}
+    assert distributed.distributed_env() == {}
     monkeypatch.delenv("TPU_WORKER_HOSTNAMES")
     monkeypatch.setenv("JAXGPT_DISTRIBUTED", "auto")
-    assert parallel.distributed_env() == {}
+    assert distributed.distributed_env() == {}
     monkeypatch.delenv("JAXGPT_DISTRIBUTED")
     monkeypatch.setenv("COORDINATOR_ADDRESS", "10.0.0.1:1234")
     monkeypatch.setenv("JAX_NUM_PROCESSES", "2")
     monkeypatch.setenv("JAX_PROCESS_ID", "1")
-    assert parallel.maybe_initialize_distributed() is True
-    assert parallel.maybe_initialize_distributed() is True  # idempotent
+    assert distributed.maybe_initialize_distributed() is True
+    assert distributed.maybe_initialize_distributed() is True  # idempotent
     assert calls == [{"coordinator_address": "10.0.0.1:1234", "num_processes": 2, "process_id": 1,
-                      "heartbeat_timeout_seconds": parallel.HEARTBEAT_TIMEOUT_S}]
+                      "heartbeat_timeout_seconds": distributed.HEARTBEAT_TIMEOUT_S}]
     assert updates == [("jax_cpu_collectives_implementation", "gloo")]  # the tests run on the CPU
-    assert parallel.process_count() == 1 and parallel.process_index() == 0 and parallel.is_writer()
+    assert distributed.process_count() == 1 and distributed.process_index() == 0 and distributed.is_writer()
 
 
 def test_pmap_helpers_round_trip():
