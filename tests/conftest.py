@@ -26,6 +26,17 @@ def _private_token_cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("JAXGPT_CACHE", str(tmp_path_factory.getbasetemp() / "jaxgpt-cache"))
 
 
+@pytest.fixture(scope="module")
+def subprocess_compile_cache(tmp_path_factory):
+    """The processes a module's tests start share JAX's persistent compilation cache: they compile
+    the same few programs, and a hit loads a program instead of compiling it again. (This process
+    read its JAX settings at import: it is unaffected.)"""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path_factory.mktemp("xla-cache")))
+        patch.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+        yield
+
+
 @pytest.fixture
 def random_qkv():
     """A maker of normal q [B, T, H, D], k and v [B, T, K, D], all from one fixed key."""

@@ -66,8 +66,11 @@ def _truncated_copy(run: Path, to: Path) -> Path:
     return to
 
 
+pytestmark = pytest.mark.usefixtures("subprocess_compile_cache")
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, subprocess_compile_cache):
     """Each layout trained by one process of 8 devices and by two of 4; then the first checkpoint
     of a run resumed by another number of processes, and by the same number (the RESUMES)."""
     folder = tmp_path_factory.mktemp("hosts")
