@@ -375,3 +375,28 @@ def test_a_reader_lists_again_when_a_checkpoint_vanishes_while_it_lists(referenc
     _, params = load_run(ref_run)
     assert failures and [p.tolist() for p in jax.tree_util.tree_leaves(params)] == [
         p.tolist() for p in jax.tree_util.tree_leaves(ref_state.params)]
+
+
+def test_one_process_writes_each_replicated_array_from_one_copy_unsliced(corpus, tmp_path, monkeypatch):
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+    from orbax.checkpoint._src.serialization import replica_slices
+
+    written = []
+    real = replica_slices.get_replica_slices
+
+    def recording(*args, **kwargs):
+        found = real(*args, **kwargs)
+        written.extend(found.replica_slices)
+        return found
+
+    monkeypatch.setattr(replica_slices, "get_replica_slices", recording)
+    replicated = NamedSharding(Mesh(np.array(jax.devices()), ("data",)), PartitionSpec())
+    state = jax.device_put(init_state(config(corpus), jax.random.key(0)), replicated)
+    checkpointer = Checkpointer(tmp_path / "run", keep=2)
+    try:
+        checkpointer.save(state, {})
+    finally:
+        checkpointer.close()
+    # One piece per array, the whole of one device's copy: no per-replica slices to cut first.
+    assert len(written) == len(jax.tree_util.tree_leaves(state))
+    assert all(piece.slice_args is None for piece in written)

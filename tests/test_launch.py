@@ -35,6 +35,7 @@ RUNS = [(layout, n) for layout in LAYOUTS for n in (1, 2)]  # layout, processes 
 # layout, processes before and after: each way across a change of process count, and within one.
 RESUMES = [("data", 2, 1), ("data", 2, 2), ("fsdp", 1, 2)]
 RUN_TIMEOUT_S = 600  # a guard against a hang, far above a run's time
+pytestmark = pytest.mark.usefixtures("subprocess_compile_cache")
 
 
 def _env(cache: Path) -> dict:
@@ -64,9 +65,6 @@ def _truncated_copy(run: Path, to: Path) -> Path:
     for step in range(EVERY + 1, STEPS + 1):
         shutil.rmtree(to / "checkpoints" / str(step), ignore_errors=True)
     return to
-
-
-pytestmark = pytest.mark.usefixtures("subprocess_compile_cache")
 
 
 @pytest.fixture(scope="module")
