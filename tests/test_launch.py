@@ -22,6 +22,7 @@ import jax
 from jaxgpt.checkpoint import load_run
 from jaxgpt.launch import exit_code, launch, process_env
 from jaxgpt.metrics import read_metrics
+from conftest import FAST_COMPILE
 from test_train import write_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,9 +41,9 @@ pytestmark = pytest.mark.usefixtures("subprocess_compile_cache")
 
 def _env(cache: Path) -> dict:
     # One thread per device keeps two processes from oversubscribing the machine's cores; the
-    # unoptimised backend halves the compile time that dominates runs this small.
+    # test flags (FAST_COMPILE) cut the compile time that dominates runs this small.
     return {**os.environ, "JAXGPT_CACHE": str(cache), "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu",
-            "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false --xla_backend_optimization_level=0"}
+            "XLA_FLAGS": f"--xla_cpu_multi_thread_eigen=false {FAST_COMPILE}"}
 
 
 def _command(n: int, out: Path, corpus: Path, steps: int, extra: list[str], resume: bool = False) -> list[str]:
