@@ -56,7 +56,7 @@ class ModelConfig:
     # SwiGLU's three matrices at the parameters of GELU's two: hidden_size 2/3 x 4 x d_model, to the
     # nearest multiple of 8 (at least 8); 680 at d_model 256. GELU's stays 4 x d_model.
     ffn_match_params: bool = False
-    position: str = "learned"
+    position: str = "learned"  # "learned" | "rope" | "sinusoidal" (a fixed sin/cos table, no parameters)
     rope_base: float = 10000.0
     rope_scale: float = 1.0
     norm: str = "layernorm"
@@ -91,7 +91,7 @@ class ModelConfig:
         _positive(s, self, "vocab_size", "context_length", "d_model", "n_layers", "n_heads")
         _positive(s, self, "kv_heads", "hidden_size", "rope_base", "rope_scale", "norm_eps")
         _positive(s, self, "mtp_depth", "init_std", allow_zero=True)
-        _choice(s, "position", self.position, ("learned", "rope"))
+        _choice(s, "position", self.position, ("learned", "rope", "sinusoidal"))
         _choice(s, "norm", self.norm, ("layernorm", "rmsnorm"))
         _choice(s, "residual", self.residual, ("pre", "post"))
         _choice(s, "feed_forward", self.feed_forward, ("gelu", "swiglu"))
@@ -107,6 +107,8 @@ class ModelConfig:
             )
         if self.position == "rope" and self.head_size % 2:
             raise ConfigError(f"model.position = 'rope' needs an even head size, got {self.head_size}")
+        if self.position == "sinusoidal" and self.d_model % 2:
+            raise ConfigError(f"model.position = 'sinusoidal' needs an even d_model, got {self.d_model}")
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout = {self.dropout!r} must be in [0, 1)")
 

@@ -137,8 +137,34 @@ def test_the_switch_design_meets_every_triple_of_settings():
 @pytest.mark.parametrize("position,norm,residual,feed_forward", ARCHITECTURES)
 def test_every_switch_is_causal_and_cache_exact(position, norm, residual, feed_forward):
     kv_heads, tie, scan = variant_of((position, norm, residual, feed_forward))
-    cfg = dataclasses.replace(TINY, position=position, norm=norm, residual=residual, feed_forward=feed_forward,
-                              kv_heads=kv_heads, tie_embeddings=tie, scan_layers=scan)
+    check_causal_and_cache_exact(dataclasses.replace(
+        TINY, position=position, norm=norm, residual=residual, feed_forward=feed_forward,
+        kv_heads=kv_heads, tie_embeddings=tie, scan_layers=scan))
+
+
+def test_sinusoidal_positions_are_causal_and_cache_exact_past_the_context():
+    """The fixed table, outside the design above, in one variant run to twice its context_length
+    (full pass and cache): like RoPE's, the table has no end."""
+    check_causal_and_cache_exact(dataclasses.replace(TINY, position="sinusoidal", kv_heads=2, context_length=8))
+
+
+def test_sinusoidal_table_is_the_original_transformers():
+    from jaxgpt.layers import sinusoidal_positions
+
+    positions = np.array([[0, 1, 7], [300, 5000, 8191]])
+    table = np.asarray(sinusoidal_positions(jnp.asarray(positions), 8))
+    angles = positions[..., None] / 10000.0 ** (np.arange(0, 8, 2) / 8)
+    assert table.shape == (2, 3, 8)
+    np.testing.assert_allclose(table[..., 0::2], np.sin(angles), atol=2e-3)
+    np.testing.assert_allclose(table[..., 1::2], np.cos(angles), atol=2e-3)
+    np.testing.assert_array_equal(table[0, 0], [0, 1] * 4)
+    params = jax.eval_shape(lambda: init_params(dataclasses.replace(TINY, position="sinusoidal"), jax.random.key(0)))
+    assert "position_embedding" not in params  # nothing to learn
+
+
+def check_causal_and_cache_exact(cfg):
+    """Row i of the batch edits token i: the logits before i stay, those from i on change; a prefill
+    and one cached step per token give the full pass's logits. On TINY.context_length tokens."""
     T, V = TINY.context_length, TINY.vocab_size
     base = np.asarray(random_tokens(TINY, 1, T))
     # Row i changes token i (i = 1..T-1), so row i's logits before position i must equal row 0's.
