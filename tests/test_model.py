@@ -69,6 +69,26 @@ def test_gpt2_124m_config_has_gpt2_smalls_parameter_count():
     assert count_params(params) == 124_439_808 + (50_304 - 50_257) * 768 == 124_475_904
 
 
+# octlm's Day 2 notes: the parameters of each variant of its grid (4 x 256, 8 heads, context 256, V 2,048).
+OCTLM_PARAMETERS = {"baseline": 3_740_160, "rmsnorm": 3_737_856, "swiglu": 3_731_968, "post-norm": 3_740_160,
+                    "gqa-4": 3_478_016, "gqa-2": 3_346_944, "mqa-1": 3_281_408, "modern": 3_270_912}
+
+
+def test_octlm_grid_has_octlms_parameter_counts():
+    """Every variant of experiments/octlm_day2.toml, resolved as `jaxgpt sweep` resolves it."""
+    from pathlib import Path
+
+    from jaxgpt.sweep import load_sweep
+
+    grid = load_sweep(Path(__file__).resolve().parents[1] / "experiments/octlm_day2.toml")
+    models = {variant.name: variant.config.model for variant in grid.variants}
+    counts = {name: count_params(jax.eval_shape(lambda cfg=cfg: init_params(cfg, jax.random.key(0))))
+              for name, cfg in models.items()}
+    assert counts == OCTLM_PARAMETERS
+    assert counts == {name: expected_params(cfg) for name, cfg in models.items()}
+    assert (models["swiglu"].hidden_size, models["baseline"].hidden_size) == (680, 1024)
+
+
 @pytest.mark.parametrize("overrides", [
     dict(d_model=64, n_layers=3, n_heads=2, vocab_size=500, context_length=32),
     dict(d_model=256, n_layers=4, n_heads=8, vocab_size=2048, context_length=256),
