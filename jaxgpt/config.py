@@ -52,8 +52,11 @@ class ModelConfig:
     n_layers: int = 2
     n_heads: int = 4
     kv_heads: int | None = None  # None: as many as n_heads (plain multi-head attention)
-    hidden_size: int | None = None  # None: 4 * d_model
-    position: str = "learned"
+    hidden_size: int | None = None  # None: 4 * d_model, or the matched width (ffn_match_params)
+    # SwiGLU's three matrices at the parameters of GELU's two: hidden_size 2/3 x 4 x d_model, to the
+    # nearest multiple of 8 (at least 8); 680 at d_model 256. GELU's stays 4 x d_model.
+    ffn_match_params: bool = False
+    position: str = "learned"  # "learned" | "rope" | "sinusoidal" (a fixed sin/cos table, no parameters)
     rope_base: float = 10000.0
     rope_scale: float = 1.0
     norm: str = "layernorm"
@@ -75,12 +78,20 @@ class ModelConfig:
         _finite(s, self)
         if self.kv_heads is None:
             object.__setattr__(self, "kv_heads", self.n_heads)
+        if self.ffn_match_params:
+            matched = matched_hidden_size(self.d_model) if self.feed_forward == "swiglu" else 4 * self.d_model
+            if self.hidden_size not in (None, matched):
+                raise ConfigError(
+                    f"model.hidden_size = {self.hidden_size} contradicts model.ffn_match_params = true, which "
+                    f"sets it to {matched} for {self.feed_forward} at d_model {self.d_model}; drop one of them"
+                )
+            object.__setattr__(self, "hidden_size", matched)
         if self.hidden_size is None:
             object.__setattr__(self, "hidden_size", 4 * self.d_model)
         _positive(s, self, "vocab_size", "context_length", "d_model", "n_layers", "n_heads")
         _positive(s, self, "kv_heads", "hidden_size", "rope_base", "rope_scale", "norm_eps")
         _positive(s, self, "mtp_depth", "init_std", allow_zero=True)
-        _choice(s, "position", self.position, ("learned", "rope"))
+        _choice(s, "position", self.position, ("learned", "rope", "sinusoidal"))
         _choice(s, "norm", self.norm, ("layernorm", "rmsnorm"))
         _choice(s, "residual", self.residual, ("pre", "post"))
         _choice(s, "feed_forward", self.feed_forward, ("gelu", "swiglu"))
@@ -96,12 +107,21 @@ class ModelConfig:
             )
         if self.position == "rope" and self.head_size % 2:
             raise ConfigError(f"model.position = 'rope' needs an even head size, got {self.head_size}")
+        if self.position == "sinusoidal" and self.d_model % 2:
+            raise ConfigError(f"model.position = 'sinusoidal' needs an even d_model, got {self.d_model}")
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout = {self.dropout!r} must be in [0, 1)")
 
     @property
     def head_size(self) -> int:
         return self.d_model // self.n_heads
+
+
+def matched_hidden_size(d_model: int) -> int:
+    """SwiGLU's hidden width with about the parameters of a GELU layer of 4 x d_model: 3 matrices
+    of d_model x F against 2 of d_model x 4 d_model, so F = 2/3 x 4 x d_model, to the nearest
+    multiple of 8 (at least 8). d_model / 3 is never a half, so round() is plain nearest."""
+    return max(8, 8 * round(d_model / 3))
 
 
 @dataclass(frozen=True)
@@ -178,6 +198,7 @@ class RunConfig:
         """sha256 of the resolved config; `exclude` drops `section.key` entries (run-length keys)."""
         data = self.to_dict()
         data["model"].pop("kernels")  # how the model is computed, not what: runs resume across it
+        data["model"].pop("ffn_match_params")  # how hidden_size was chosen; the width itself is covered
         for dotted in exclude:
             section, key = dotted.split(".", 1)
             data[section].pop(key, None)

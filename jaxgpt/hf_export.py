@@ -28,6 +28,8 @@ def _check_exportable(cfg: ModelConfig) -> str:
 
     if cfg.residual != "pre":
         refuse("residual", "(Hugging Face GPT-2 and Llama are pre-norm)")
+    if cfg.position == "sinusoidal":
+        refuse("position", "(GPT-2 learns its positions, Llama rotates; neither has a fixed sinusoidal table)")
     if cfg.position == "learned":
         if cfg.norm != "layernorm":
             refuse("norm", "with learned positions (GPT-2 needs layernorm)")

@@ -1,4 +1,4 @@
-"""The decoder's building blocks: norms, RoPE, causal attention with grouped KV heads, feed-forward.
+"""The decoder's building blocks: norms, RoPE and sinusoidal tables, causal attention (grouped KV heads), feed-forward.
 
 Shapes follow the legend in `jaxgpt.model`. Parameters are float32; matmul operands and the KV
 cache are in the compute dtype (`model.dtype`); statistics (norms, softmax) in float32. The
@@ -84,6 +84,13 @@ def rope_tables(positions_BT: jax.Array, head_size: int, scale: float, base: flo
     inv_freq = 1.0 / (base ** (jnp.arange(0, head_size, 2, dtype=jnp.float32) / head_size))
     angles = (positions_BT.astype(jnp.float32) / scale)[..., None] * inv_freq
     return jnp.cos(angles), jnp.sin(angles)
+
+
+def sinusoidal_positions(positions_BT: jax.Array, width: int, base: float = 10000.0) -> jax.Array:
+    """The fixed table of "Attention Is All You Need" [B, T, width]: feature 2i is sin, 2i + 1 cos,
+    of position / base^(2i / width). No parameters, so it holds at any position."""
+    angles = positions_BT.astype(jnp.float32)[..., None] / base ** (jnp.arange(0, width, 2, dtype=jnp.float32) / width)
+    return jnp.stack([jnp.sin(angles), jnp.cos(angles)], axis=-1).reshape(*positions_BT.shape, width)
 
 
 def apply_rope(x_BTHD: jax.Array, rope: Rope) -> jax.Array:

@@ -29,7 +29,7 @@ import numpy as np
 from jaxgpt.config import ModelConfig
 from jaxgpt.kernels import PORTABLE, Kernels
 from jaxgpt.layers import (FeedForward, TransformerBlock, activation_dtype, compute_dtype, dense_init, make_norm,
-                           rope_tables, write_kv)
+                           rope_tables, sinusoidal_positions, write_kv)
 from jaxgpt.token_ids import check_token_ids
 
 Params = dict[str, Any]
@@ -93,6 +93,8 @@ class Decoder(nn.Module):
             positions_BT = jnp.minimum(positions_BT, cfg.context_length - 1)
             x_BTC = x_BTC + nn.Embed(cfg.context_length, C, embedding_init=dense_init(cfg),
                                      name="position_embedding")(positions_BT)
+        elif cfg.position == "sinusoidal":
+            x_BTC = x_BTC + sinusoidal_positions(positions_BT, C)
         else:
             rope = rope_tables(positions_BT, cfg.head_size, cfg.rope_scale, cfg.rope_base)
         x_BTC = nn.Dropout(cfg.dropout)(x_BTC, deterministic=self.deterministic).astype(dtype)

@@ -49,10 +49,42 @@ def test_fingerprint_tracks_every_value():
     assert longer.fingerprint(exclude=("train.steps",)) == a.fingerprint(exclude=("train.steps",))
 
 
+def test_ffn_match_params_gives_swiglu_the_gelu_layers_parameters(tmp_path):
+    swiglu = load_config(None, ["model.d_model=256", "model.feed_forward=swiglu", "model.ffn_match_params=true"])
+    assert swiglu.model.hidden_size == 680  # 2/3 x 1,024 = 682.7, the nearest multiple of 8
+    assert 3 * 256 * 680 <= 2 * 256 * 1024 < 3 * 256 * 688
+    assert [ModelConfig(d_model=d, n_heads=1, feed_forward="swiglu", ffn_match_params=True).hidden_size
+            for d in (2, 128, 130, 768)] == [8, 344, 344, 2048]
+    # GELU is the layer matched against: its width stays 4 x d_model.
+    assert ModelConfig(d_model=256, ffn_match_params=True).hidden_size == 1024
+    # The resolved config names the width and the rule together; it loads again unchanged.
+    path = tmp_path / "resolved.toml"
+    path.write_text(swiglu.to_toml())
+    assert load_config(path) == swiglu
+    assert ModelConfig(d_model=256, feed_forward="swiglu", ffn_match_params=True, hidden_size=680) == swiglu.model
+    # The rule only chooses hidden_size: the same width chosen by hand has the same fingerprint.
+    by_hand = load_config(None, ["model.d_model=256", "model.feed_forward=swiglu", "model.hidden_size=680"])
+    assert by_hand.fingerprint() == swiglu.fingerprint()
+
+
+def test_ffn_match_params_refuses_another_explicit_hidden_size():
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["model.feed_forward=swiglu", "model.ffn_match_params=true", "model.hidden_size=512"])
+    assert str(err.value) == ("model.hidden_size = 512 contradicts model.ffn_match_params = true, which sets "
+                              "it to 344 for swiglu at d_model 128; drop one of them")
+    with pytest.raises(ConfigError, match="contradicts model.ffn_match_params"):
+        ModelConfig(ffn_match_params=True, hidden_size=344)  # GELU's matched width is 512
+    with pytest.raises(ConfigError, match="model.ffn_match_params = 1 must be true or false"):
+        load_config(None, ["model.ffn_match_params=1"])
+
+
 @pytest.mark.parametrize("overrides,message", [
     (["model.d_model=130"], "model.d_model = 130 is not divisible by model.n_heads = 4"),
     (["model.kv_heads=3"], "model.n_heads = 4 is not divisible by model.kv_heads = 3"),
     (["model.norm=batchnorm"], "model.norm = 'batchnorm' is not one of layernorm, rmsnorm"),
+    (["model.position=alibi"], "model.position = 'alibi' is not one of learned, rope, sinusoidal"),
+    (["model.position=sinusoidal", "model.d_model=9", "model.n_heads=1"],
+     "model.position = 'sinusoidal' needs an even d_model, got 9"),
     (["model.n_head=2"], "unknown config key model.n_head (did you mean 'n_heads'?)"),
     (["modle.n_heads=2"], "unknown config section 'modle' (did you mean 'model'?)"),
     (["model.d_model=big"], "model.d_model = 'big' must be an integer"),

@@ -74,3 +74,38 @@ def test_init_scale(tmp_path):
     assert wide["initial_loss"] > ln_v + 10
     assert abs(gpt2["initial_loss"] - ln_v) < 0.1
     assert len(wide["train_loss"]) == len(gpt2["train_loss"]) == 2
+
+
+def test_length_sweep(tmp_path):
+    module = _load("length_sweep")
+    rng = np.random.default_rng(0)
+    words = ["def", "return", "self", "if", "else", "for", "in", "x", "y", "print", "import"]
+    corpus, prose = tmp_path / "code.txt", tmp_path / "prose.txt"
+    corpus.write_text(" ".join(rng.choice(words, 6000)) + "\n")
+    prose.write_text("print x if y else return self for x in y\n" * 20)  # the char tokenizer knows these
+    # A wide init, so that two steps leave the attention position-dependent enough to tell RoPE's scales apart.
+    tiny = ("model.vocab_size=64", "model.d_model=32", "model.n_layers=1", "model.n_heads=4", "model.init_std=0.3",
+            f"data.source={corpus}", "data.tokenizer=char", "train.steps=2", "train.batch_size=2",
+            "train.warmup_steps=1", "train.eval_batches=1", "train.log_every=1", "train.parallel=single")
+    kwargs = dict(runs=tmp_path / "runs", train_length=16, lengths=(16, 32), eval_tokens=64, overrides=tiny,
+                  progress=False)
+    results = module.main(tmp_path, **kwargs)
+    saved = _written(tmp_path, "length_sweep")
+    assert saved["rows"] == results["rows"] and saved["code_tokens"] == 64
+    keys = [(r["position"], r["length"], r["rope_scale"]) for r in results["rows"]]
+    assert keys == [("sinusoidal", 16, 1.0), ("sinusoidal", 32, 1.0),
+                    ("rope", 16, 1.0), ("rope", 32, 1.0), ("rope, interpolated", 32, 2.0)]
+    assert all(math.isfinite(r["bits_per_byte"]) and r["corpus"] == "code" for r in results["rows"])
+    assert results["rows"][4]["bits_per_byte"] != results["rows"][3]["bits_per_byte"]  # the scale is used
+    trained = results["trained"]
+    assert trained["sinusoidal"]["parameters"] == trained["rope"]["parameters"]  # neither learns positions
+    assert trained["rope"]["config"]["model"]["context_length"] == 16
+    assert "| 32 |" in (tmp_path / "length_sweep.md").read_text()
+    # A rerun finds both runs finished, trains nothing, and scores the prose file as well.
+    metrics = (tmp_path / "runs" / "rope" / "metrics.jsonl").read_text()
+    again = module.main(tmp_path, prose=str(prose), **kwargs)
+    assert (tmp_path / "runs" / "rope" / "metrics.jsonl").read_text() == metrics
+    assert [r["bits_per_byte"] for r in again["rows"] if r["corpus"] == "code"] == \
+        [r["bits_per_byte"] for r in results["rows"]]
+    assert len([r for r in again["rows"] if r["corpus"] == "prose"]) == 5
+    assert "## prose" in (tmp_path / "length_sweep.md").read_text()

@@ -178,6 +178,7 @@ def test_unsupported_options_are_named(tmp_path, family, change, option):
     ({"norm": "rmsnorm", "bias": True}, "norm"),
     ({"feed_forward": "swiglu"}, "feed_forward"),
     ({"position": "rope", "norm": "layernorm"}, "norm"),
+    ({"position": "sinusoidal", "norm": "rmsnorm", "feed_forward": "swiglu"}, "position = 'sinusoidal'"),
 ])
 def test_unexportable_configs(tmp_path, options, option):
     """What neither GPT-2 nor Llama holds is refused, in one line, before the params are looked at."""

@@ -69,6 +69,26 @@ def test_gpt2_124m_config_has_gpt2_smalls_parameter_count():
     assert count_params(params) == 124_439_808 + (50_304 - 50_257) * 768 == 124_475_904
 
 
+# octlm's Day 2 notes: the parameters of each variant of its grid (4 x 256, 8 heads, context 256, V 2,048).
+OCTLM_PARAMETERS = {"baseline": 3_740_160, "rmsnorm": 3_737_856, "swiglu": 3_731_968, "post-norm": 3_740_160,
+                    "gqa-4": 3_478_016, "gqa-2": 3_346_944, "mqa-1": 3_281_408, "modern": 3_270_912}
+
+
+def test_octlm_grid_has_octlms_parameter_counts():
+    """Every variant of experiments/octlm_day2.toml, resolved as `jaxgpt sweep` resolves it."""
+    from pathlib import Path
+
+    from jaxgpt.sweep import load_sweep
+
+    grid = load_sweep(Path(__file__).resolve().parents[1] / "experiments/octlm_day2.toml")
+    models = {variant.name: variant.config.model for variant in grid.variants}
+    counts = {name: count_params(jax.eval_shape(lambda cfg=cfg: init_params(cfg, jax.random.key(0))))
+              for name, cfg in models.items()}
+    assert counts == OCTLM_PARAMETERS
+    assert counts == {name: expected_params(cfg) for name, cfg in models.items()}
+    assert (models["swiglu"].hidden_size, models["baseline"].hidden_size) == (680, 1024)
+
+
 @pytest.mark.parametrize("overrides", [
     dict(d_model=64, n_layers=3, n_heads=2, vocab_size=500, context_length=32),
     dict(d_model=256, n_layers=4, n_heads=8, vocab_size=2048, context_length=256),
@@ -137,8 +157,34 @@ def test_the_switch_design_meets_every_triple_of_settings():
 @pytest.mark.parametrize("position,norm,residual,feed_forward", ARCHITECTURES)
 def test_every_switch_is_causal_and_cache_exact(position, norm, residual, feed_forward):
     kv_heads, tie, scan = variant_of((position, norm, residual, feed_forward))
-    cfg = dataclasses.replace(TINY, position=position, norm=norm, residual=residual, feed_forward=feed_forward,
-                              kv_heads=kv_heads, tie_embeddings=tie, scan_layers=scan)
+    check_causal_and_cache_exact(dataclasses.replace(
+        TINY, position=position, norm=norm, residual=residual, feed_forward=feed_forward,
+        kv_heads=kv_heads, tie_embeddings=tie, scan_layers=scan))
+
+
+def test_sinusoidal_positions_are_causal_and_cache_exact_past_the_context():
+    """The fixed table, outside the design above, in one variant run to twice its context_length
+    (full pass and cache): like RoPE's, the table has no end."""
+    check_causal_and_cache_exact(dataclasses.replace(TINY, position="sinusoidal", kv_heads=2, context_length=8))
+
+
+def test_sinusoidal_table_is_the_original_transformers():
+    from jaxgpt.layers import sinusoidal_positions
+
+    positions = np.array([[0, 1, 7], [300, 5000, 8191]])
+    table = np.asarray(sinusoidal_positions(jnp.asarray(positions), 8))
+    angles = positions[..., None] / 10000.0 ** (np.arange(0, 8, 2) / 8)
+    assert table.shape == (2, 3, 8)
+    np.testing.assert_allclose(table[..., 0::2], np.sin(angles), atol=2e-3)
+    np.testing.assert_allclose(table[..., 1::2], np.cos(angles), atol=2e-3)
+    np.testing.assert_array_equal(table[0, 0], [0, 1] * 4)
+    params = jax.eval_shape(lambda: init_params(dataclasses.replace(TINY, position="sinusoidal"), jax.random.key(0)))
+    assert "position_embedding" not in params  # nothing to learn
+
+
+def check_causal_and_cache_exact(cfg):
+    """Row i of the batch edits token i: the logits before i stay, those from i on change; a prefill
+    and one cached step per token give the full pass's logits. On TINY.context_length tokens."""
     T, V = TINY.context_length, TINY.vocab_size
     base = np.asarray(random_tokens(TINY, 1, T))
     # Row i changes token i (i = 1..T-1), so row i's logits before position i must equal row 0's.
