@@ -8,8 +8,10 @@ subprocess with PYTHONPATH set to it), the train and eval steps of the Day 1 con
 bfloat16, each with and without remat) and of 6 layers x 384 (T 256, B 16), and the forward
 pass, a prefill and one decoding step of both, with the backend's kernels, and prints for each
 program whether its optimized HLO is identical (modulo names and metadata). Otherwise it times
-`jaxgpt bench train` in both trees, alternating, for `--rounds` rounds, and prints each
-measurement's median step time in both and the new/old ratio.
+the train step of `jaxgpt bench train` (its `train_record`, each dtype x remat, the backend's
+kernels; the portable ones are not timed) in both trees, alternating, for `--rounds` rounds, in
+the environment the `jaxgpt` command runs in (huge-page malloc), and prints each measurement's
+median step time in both and the new/old ratio.
 """
 
 from __future__ import annotations
@@ -46,8 +48,8 @@ def old_tree(rev: str):
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(path)], check=True)
 
 
-def run_in(tree: Path, args: list[str]) -> str:
-    env = {**os.environ, "PYTHONPATH": str(tree)}
+def run_in(tree: Path, args: list[str], environ: dict[str, str] | None = None) -> str:
+    env = {**(environ or os.environ), "PYTHONPATH": str(tree)}
     return subprocess.run([sys.executable, *args], env=env, cwd=tree, check=True, capture_output=True,
                           text=True).stdout
 
@@ -118,15 +120,25 @@ def compare_programs(old: Path) -> bool:
 # ---------------------------------------------------------------- timing
 
 
+def child_bench(config: str, overrides: list[str], repeats: int) -> list[dict]:
+    """`jaxgpt bench train`'s records with the backend's kernels, in the tree on PYTHONPATH."""
+    from jaxgpt.bench import _with, train_record
+    from jaxgpt.config import load_config
+
+    cfg = load_config(config, overrides)
+    return [train_record(_with(cfg, remat=remat, dtype=dtype), repeats)
+            for remat in (False, True) for dtype in ("float32", "bfloat16")]
+
+
 def bench_train(tree: Path, config: str, overrides: list[str], repeats: int) -> dict[tuple, float]:
-    """step_ms of each `jaxgpt bench train` record with the backend's kernels, by (dtype, remat)."""
-    args = ["-m", "jaxgpt", "bench", "train", "--config", config, "--repeats", str(repeats)]
+    """step_ms by (dtype, remat), timed in a process of `tree` started as the `jaxgpt` command starts."""
+    from jaxgpt.cli import hugepage_malloc_env
+
+    args = [__file__, "--bench-child", config, "--repeats", str(repeats)]
     for item in overrides:
         args += ["--set", item]
-    out = run_in(tree, args)
-    records = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-    return {(r["dtype"], r["remat"]): r["step_ms"] for r in records
-            if r.get("mode") == "train" and "step_ms" in r and r.get("kernels", "") != "xla"}
+    records = json.loads(run_in(tree, args, hugepage_malloc_env(os.environ)).splitlines()[-1])
+    return {(r["dtype"], r["remat"]): r["step_ms"] for r in records}
 
 
 def compare_speed(old: Path, config: str, overrides: list[str], rounds: int, repeats: int) -> None:
@@ -151,9 +163,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--bench-child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         print(json.dumps(child_programs(args.child)))
+        return
+    if args.bench_child:
+        print(json.dumps(child_bench(args.bench_child, args.set, args.repeats)))
         return
     if not args.old_rev:
         parser.error("OLD_REV is required")
