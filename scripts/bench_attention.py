@@ -1,5 +1,7 @@
-"""Forward + backward time of one causal attention layer alone: jaxgpt's CPU path against
-`jax.nn.dot_product_attention` and, when torch is installed, PyTorch's `scaled_dot_product_attention`.
+"""Forward + backward time of one causal attention layer alone: the attention of jaxgpt's CPU
+kernels and of its portable ones (as `jaxgpt.kernels.choose_kernels` hands them to a float32 train
+step) against `jax.nn.dot_product_attention` and, when torch is installed, PyTorch's
+`scaled_dot_product_attention`.
 
     .venv/bin/python scripts/bench_attention.py --shape 12,64,4,32     # Shakespeare: B, T, heads, head size
     .venv/bin/python scripts/bench_attention.py --shape 32,128,4,32    # Day 1
@@ -18,15 +20,18 @@ import jax
 import jax.numpy as jnp
 
 from jaxgpt.bench import median_time
-from jaxgpt.kernels.cpu_attention import blocked_causal_attention
+from jaxgpt.config import ModelConfig
+from jaxgpt.kernels import PORTABLE, choose_kernels
 
 
 def jax_timings(B: int, T: int, H: int, D: int, repeats: int) -> dict[str, float]:
     """Median seconds of one forward + backward call per JAX implementation."""
     keys = jax.random.split(jax.random.key(0), 4)
     q, k, v, g = (jax.random.normal(key, (B, T, H, D), jnp.float32) for key in keys)
+    cpu = choose_kernels(ModelConfig(), backend="cpu")
     implementations = {
-        "jaxgpt_blocked": blocked_causal_attention,
+        "jaxgpt_cpu": lambda q, k, v: cpu.attention(q, k, v, train=True),
+        "jaxgpt_portable": lambda q, k, v: PORTABLE.attention(q, k, v, train=True),
         "jax_dot_product_attention": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True),
     }
     results = {}
