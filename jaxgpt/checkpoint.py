@@ -134,23 +134,32 @@ class Checkpointer:
         self, like: TrainState, warn: Callable[[str], None]
     ) -> tuple[TrainState, dict[str, Any]] | None:
         """The newest checkpoint that restores and verifies. A damaged newer one is moved aside by a
-        trainer and skipped by a reader; one a trainer removed while a reader read it is skipped."""
+        trainer and skipped by a reader. A reader skips one the trainer removed while it read, and
+        lists again when every checkpoint it listed was removed (a trainer that saves faster than
+        the reader restores, keeping few)."""
         self.manager.wait_until_finished()
-        for step in reversed(self.steps()):
-            try:
-                return self.restore(like, step)
-            except ValueError as err:
-                folder = self.directory / str(step)
-                if self.read_only:
-                    if folder.exists():  # gone means the trainer dropped it (keep_checkpoints)
-                        warn(f"checkpoint {folder} is damaged: {err}; skipped, falling back to the previous one")
-                    continue
-                aside = self.aside_name(step)
-                warn(f"checkpoint {folder} is damaged: {err}; "
-                     f"moved to {aside.name}, falling back to the previous one")
-                folder.rename(aside)
-                self.manager.close()
-                self.manager = self._open()
+        for _ in range(READER_OPEN_ATTEMPTS if self.read_only else 1):
+            removed = False
+            for step in reversed(self.steps()):
+                try:
+                    return self.restore(like, step)
+                except ValueError as err:
+                    folder = self.directory / str(step)
+                    if self.read_only:
+                        if folder.exists():
+                            warn(f"checkpoint {folder} is damaged: {err}; skipped, falling back to the previous one")
+                        removed |= not folder.exists()  # gone: the trainer dropped it (keep_checkpoints)
+                        continue
+                    aside = self.aside_name(step)
+                    warn(f"checkpoint {folder} is damaged: {err}; "
+                         f"moved to {aside.name}, falling back to the previous one")
+                    folder.rename(aside)
+                    self.manager.close()
+                    self.manager = self._open()
+            if not removed:
+                return None
+            self.manager.close()
+            self.manager = self._open()
         return None
 
     def aside_name(self, step: int) -> Path:

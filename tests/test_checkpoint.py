@@ -3,6 +3,7 @@ refusal on a changed model, tokenizer or corpus."""
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -374,6 +375,32 @@ def test_a_reader_lists_again_when_a_checkpoint_vanishes_while_it_lists(referenc
     monkeypatch.setattr(ocp, "CheckpointManager", vanishing_once)
     _, params = load_run(ref_run)
     assert failures and [p.tolist() for p in jax.tree_util.tree_leaves(params)] == [
+        p.tolist() for p in jax.tree_util.tree_leaves(ref_state.params)]
+
+
+def test_a_reader_lists_again_when_the_trainer_removed_every_checkpoint_it_listed(reference, tmp_path, monkeypatch):
+    """A trainer that saves faster than a reader restores (keeping few) can drop each listed
+    checkpoint just before the reader gets to it, and have saved a newer one meanwhile."""
+    ref_run, ref_state, _ = reference
+    run = shutil.copytree(ref_run, tmp_path / "run")
+    checkpoints = run / "checkpoints"
+    steps = sorted(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit())
+    assert len(steps) >= 2
+    unsaved = (checkpoints / str(steps[-1])).rename(tmp_path / "newest")  # not there yet when the reader lists
+    real, removed = Checkpointer.restore, []
+
+    def rotated_away(self, like, step):
+        if len(removed) < len(steps) - 1:
+            shutil.rmtree(self.directory / str(step))
+            removed.append(step)
+            if len(removed) == len(steps) - 1:
+                unsaved.rename(self.directory / str(steps[-1]))
+        return real(self, like, step)
+
+    monkeypatch.setattr(Checkpointer, "restore", rotated_away)
+    _, params = load_run(run)
+    assert removed == steps[-2::-1]
+    assert [p.tolist() for p in jax.tree_util.tree_leaves(params)] == [
         p.tolist() for p in jax.tree_util.tree_leaves(ref_state.params)]
 
 
