@@ -146,9 +146,10 @@ class Checkpointer:
                 except ValueError as err:
                     folder = self.directory / str(step)
                     if self.read_only:
-                        if folder.exists():
+                        gone = not folder.exists()  # the trainer dropped it (keep_checkpoints)
+                        if not gone:
                             warn(f"checkpoint {folder} is damaged: {err}; skipped, falling back to the previous one")
-                        removed |= not folder.exists()  # gone: the trainer dropped it (keep_checkpoints)
+                        removed |= gone
                         continue
                     aside = self.aside_name(step)
                     warn(f"checkpoint {folder} is damaged: {err}; "
