@@ -72,7 +72,8 @@ class Decoder(nn.Module):
 
     @nn.compact
     def __call__(
-        self, token_ids_BT: jax.Array, cache: Cache | None = None, all_depths: bool = False, fresh: bool = False
+        self, token_ids_BT: jax.Array, cache: Cache | None = None, all_depths: bool = False, fresh: bool = False,
+        head_inputs: bool = False,
     ) -> tuple[jax.Array, Cache | None]:
         cfg, kernels = self.cfg, self.kernels
         B, T = token_ids_BT.shape
@@ -105,6 +106,9 @@ class Decoder(nn.Module):
         x_BTC, kv = self._blocks(x_BTC, rope, kv, index)
 
         hidden_BTC = make_norm(cfg, kernels, "final_norm")(x_BTC)
+        if head_inputs:  # what the head reads at each depth, for a loss that runs the head itself
+            adapters = [MTPAdapter(cfg, kernels, self.deterministic, name=f"mtp_{d}") for d in range(cfg.mtp_depth)]
+            return jnp.stack([hidden_BTC, *(a(hidden_BTC) for a in adapters)]), None
         if cfg.tie_embeddings:
             head_VC = token_embedding.embedding
             head = lambda h_BTC: kernels.tied_logits(h_BTC, head_VC, compute_dtype(cfg))
@@ -180,6 +184,23 @@ def forward(
     `rng`), and the kernels may lay the attention out for the backward pass that follows; the
     values do not depend on that layout beyond float rounding.
     """
+    return _apply(params, cfg, token_ids, all_depths=all_depths, train=train, rng=rng, kernels=kernels)
+
+
+def head_inputs(params: Params, cfg: ModelConfig, token_ids: jax.Array, *, train: bool = False,
+                rng: jax.Array | None = None, kernels: Kernels = PORTABLE) -> jax.Array:
+    """What the head reads at every depth, [1 + mtp_depth, B, T, C]: `forward(..., all_depths=True)`
+    stopped before the head, for a loss that runs the head itself (`Kernels.head_loss`, with
+    `head_weight`)."""
+    return _apply(params, cfg, token_ids, all_depths=True, train=train, rng=rng, kernels=kernels, head=False)
+
+
+def head_weight(params: Params, cfg: ModelConfig) -> jax.Array:
+    """The head's weight: the token embedding [V, C] when tied, the head's kernel [C, V] otherwise."""
+    return params["token_embedding"]["embedding"] if cfg.tie_embeddings else params["lm_head"]["kernel"]
+
+
+def _apply(params, cfg, token_ids, *, all_depths, train, rng, kernels, head=True):
     token_ids = check_token_ids(token_ids, cfg.vocab_size)
     if cfg.position == "learned" and token_ids.shape[1] > cfg.context_length:
         raise ValueError(
@@ -189,10 +210,10 @@ def forward(
     if dropout_active and rng is None:
         raise ValueError("forward(train=True) with model.dropout > 0 needs an `rng` for dropout")
     rngs = {"dropout": rng} if dropout_active else {}
-    logits, _ = Decoder(cfg, kernels, deterministic=not dropout_active, train=train).apply(
-        {"params": params}, token_ids, all_depths=all_depths, rngs=rngs
+    out, _ = Decoder(cfg, kernels, deterministic=not dropout_active, train=train).apply(
+        {"params": params}, token_ids, all_depths=all_depths, head_inputs=not head, rngs=rngs
     )
-    return logits
+    return out
 
 
 def init_cache(cfg: ModelConfig, batch_size: int, max_length: int) -> Cache:

@@ -17,7 +17,8 @@ import optax
 from jaxgpt.config import ModelConfig, RunConfig
 from jaxgpt.data import window_length  # noqa: F401  (the batch width; scripts import it from here too)
 from jaxgpt.kernels import Kernels, choose_kernels
-from jaxgpt.model import Params, forward, init_params
+from jaxgpt.layers import compute_dtype
+from jaxgpt.model import Params, forward, head_inputs, head_weight, init_params
 from jaxgpt.optim import OptHParams, lr_schedule, make_optimizer
 
 
@@ -46,10 +47,15 @@ def depth_losses(params: Params, model: ModelConfig, window_BW: jax.Array, *, tr
     `kernels`: by default the ones `jaxgpt.kernels` chooses for the model on this backend.
     """
     T = model.context_length
+    kernels = kernels or choose_kernels(model)
     inputs_BT = window_BW[:, :T]
-    logits_DBTV = forward(params, model, inputs_BT, all_depths=True, train=train, rng=rng,
-                          kernels=kernels or choose_kernels(model))
     targets_DBT = jnp.stack([window_BW[:, 1 + d: 1 + d + T] for d in range(1 + model.mtp_depth)])
+    if kernels.head_loss is not None:
+        hidden_DBTC = head_inputs(params, model, inputs_BT, train=train, rng=rng, kernels=kernels)
+        weight = head_weight(params, model)
+        return jnp.stack([kernels.head_loss(h_BTC, weight, t_BT, tied=model.tie_embeddings, dtype=compute_dtype(model))
+                          for h_BTC, t_BT in zip(hidden_DBTC, targets_DBT)])
+    logits_DBTV = forward(params, model, inputs_BT, all_depths=True, train=train, rng=rng, kernels=kernels)
     losses = optax.softmax_cross_entropy_with_integer_labels(logits_DBTV.astype(jnp.float32), targets_DBT)
     return losses.mean(axis=(1, 2))
 

@@ -1,4 +1,5 @@
-"""The GPU kernels: cuDNN's fused attention in bfloat16 and float16, the portable ones elsewhere.
+"""The GPU kernels: cuDNN's fused attention in bfloat16 and float16, the head fused with its loss
+(`head_loss`), the portable ones elsewhere.
 
 `jax.nn.dot_product_attention` runs XLA's implementation unless told otherwise, which writes
 the [B, H, T, T] scores and probabilities to memory, forward and backward; cuDNN's flash
@@ -16,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxgpt.kernels import xla
+from jaxgpt.kernels.head_loss import mean_head_loss
 
 
 def attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, *, train: bool = False,
@@ -25,4 +27,4 @@ def attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, *, train:
     return jax.nn.dot_product_attention(q_BTHD, k_BTKD, v_BTKD, is_causal=True, implementation="cudnn")
 
 
-KERNELS = dataclasses.replace(xla.KERNELS, name="gpu", attention=attention)
+KERNELS = dataclasses.replace(xla.KERNELS, name="gpu", attention=attention, head_loss=mean_head_loss)

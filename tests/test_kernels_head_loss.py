@@ -1,0 +1,90 @@
+"""The fused head + loss: the plain head's loss and gradients, in chunks, without the logits in memory."""
+
+import dataclasses
+import functools
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxgpt.config import ModelConfig, RunConfig, TrainConfig, load_config
+from jaxgpt.kernels import PORTABLE
+from jaxgpt.kernels.head_loss import chunk_count, mean_head_loss
+from jaxgpt.model import init_params
+from jaxgpt.step import depth_losses, init_state, train_step, training_loss
+
+BASE = ModelConfig(vocab_size=96, context_length=16, d_model=32, n_layers=2, n_heads=4, hidden_size=48)
+# 4 chunks of the batch's 2 x 16 x 96 logits: every test below crosses chunk boundaries.
+FUSED = dataclasses.replace(PORTABLE, name="fused", head_loss=functools.partial(mean_head_loss, logits_budget=768))
+
+
+def test_chunks_divide_the_context_and_fit_the_budget():
+    assert chunk_count(2, 16, 96, 768) == 4
+    assert chunk_count(2, 16, 96, 10**9) == 1
+    assert chunk_count(2, 12, 96, 500) == 6  # 5 would fit; 6 is the next divisor of 12
+    assert chunk_count(2, 7, 96, 1) == 7  # never more chunks than positions
+    assert chunk_count(32, 1024, 50304, 2**27) == 16  # GPT-2 at batch 32: 412 MB of logits a chunk
+
+
+@pytest.mark.parametrize("overrides", [{}, {"tie_embeddings": False}, {"mtp_depth": 2},
+                                       {"tie_embeddings": False, "mtp_depth": 1, "position": "rope"}],
+                         ids=["tied", "untied", "tied-mtp2", "untied-mtp1"])
+def test_fused_head_loss_equals_the_plain_head_and_cross_entropy(overrides):
+    # float32: every depth's loss and the gradient of the training loss within 1e-5.
+    cfg = dataclasses.replace(BASE, **overrides)
+    params = init_params(cfg, jax.random.key(0))
+    window = jax.random.randint(jax.random.key(1), (2, cfg.context_length + 1 + cfg.mtp_depth), 0, cfg.vocab_size)
+
+    def objective(p, kernels):
+        depths = depth_losses(p, cfg, window, train=True, kernels=kernels)
+        return training_loss(depths, 0.3), depths
+
+    both = jax.jit(lambda p: (jax.value_and_grad(objective, has_aux=True)(p, PORTABLE),
+                              jax.value_and_grad(objective, has_aux=True)(p, FUSED)))
+    ((_, want_depths), want_grads), ((_, got_depths), got_grads) = both(params)
+    assert got_depths.shape == (1 + cfg.mtp_depth,)
+    np.testing.assert_allclose(got_depths, want_depths, rtol=0, atol=1e-5)
+    for (path, got), want in zip(jax.tree_util.tree_leaves_with_path(got_grads), jax.tree_util.tree_leaves(want_grads)):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * max(1.0, float(jnp.abs(want).max())),
+                                   err_msg=jax.tree_util.keystr(path))
+
+
+def test_fused_head_loss_without_gradients_is_the_plain_loss_in_bfloat16():
+    # Evaluation takes the primal path (no gradient work); bfloat16 matmuls, float32 log-sum-exp.
+    cfg = dataclasses.replace(BASE, dtype="bfloat16")
+    params = init_params(cfg, jax.random.key(0))
+    window = jax.random.randint(jax.random.key(1), (2, cfg.context_length + 1), 0, cfg.vocab_size)
+    want, got = jax.jit(lambda p: (depth_losses(p, cfg, window, kernels=PORTABLE),
+                                   depth_losses(p, cfg, window, kernels=FUSED)))(params)
+    np.testing.assert_allclose(got, want, rtol=0, atol=0.02)
+
+
+def test_a_train_step_with_gradient_accumulation_takes_the_plain_steps_update():
+    cfg = RunConfig(model=BASE, train=TrainConfig(batch_size=4, grad_accum=2, steps=4, warmup_steps=0))
+    batch = jax.random.randint(jax.random.key(3), (4, BASE.context_length + 1), 0, BASE.vocab_size)
+    state = init_state(cfg, jax.random.key(0))
+    want, want_metrics = jax.jit(lambda s: train_step(cfg, s, batch, kernels=PORTABLE))(state)
+    got, got_metrics = jax.jit(lambda s: train_step(cfg, s, batch, kernels=FUSED))(state)
+    np.testing.assert_allclose(got_metrics["loss"], want_metrics["loss"], rtol=0, atol=1e-5)
+    np.testing.assert_allclose(got_metrics["grad_norm"], want_metrics["grad_norm"], rtol=1e-5)
+    for got_leaf, want_leaf in zip(jax.tree_util.tree_leaves(got.params), jax.tree_util.tree_leaves(want.params)):
+        np.testing.assert_allclose(got_leaf, want_leaf, rtol=0, atol=1e-5)  # Adam: about lr x grad rounding
+
+
+def test_the_124m_train_step_no_longer_holds_the_float32_logits():
+    # GPT-2 124M at 8 x 1,024: the fused head's compiled step needs less memory than the plain
+    # one by at least the float32 logits (8 x 1,024 x 50,304 x 4 bytes = 1.65 GB). Compiled, not run.
+    cfg = load_config(str(Path(__file__).resolve().parent.parent / "experiments/gpt2_124m.toml"), ["train.batch_size=8", "model.dtype=float32"])
+    state = jax.eval_shape(lambda: init_state(cfg, jax.random.key(0)))
+    batch = jax.ShapeDtypeStruct((8, cfg.model.context_length + 1), jnp.int32)
+
+    def temp_bytes(kernels):
+        step = jax.jit(lambda s, b: train_step(cfg, s, b, kernels=kernels), donate_argnums=0)
+        return step.lower(state, batch).compile().memory_analysis().temp_size_in_bytes
+
+    fused = dataclasses.replace(PORTABLE, head_loss=mean_head_loss)
+    logits_bytes = 8 * 1024 * 50304 * 4
+    plain, chunked = temp_bytes(PORTABLE), temp_bytes(fused)
+    assert plain - chunked >= logits_bytes, (plain, chunked)
