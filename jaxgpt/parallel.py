@@ -36,6 +36,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxgpt.config import RunConfig, TrainConfig
+from jaxgpt.kernels import choose_kernels
 from jaxgpt.step import TrainState, init_state, train_step, window_length
 
 MESH_AXES = ("data", "fsdp")
@@ -155,6 +156,7 @@ def sharded_train_step(cfg: RunConfig, mesh: Mesh, shardings: Any) -> Callable:
         in_shardings=(shardings, batch_sharding(mesh)),
         out_shardings=(shardings, replicated(mesh)),
         donate_argnums=0,
+        compiler_options=choose_kernels(cfg.model).jit_options(),
     )
 
 
@@ -183,6 +185,7 @@ def pmap_train_step(cfg: RunConfig, axis_name: str = PMAP_AXIS) -> Callable:
     the micro gradients and losses averaged, then averaged over devices, so with equal shares the
     update is the one-device update on the whole batch (`train_step` with `axis_name`; dropout
     masks differ per device, so only with dropout 0 do the numbers match one device's).
+    `jax.pmap` takes no compiler options: the kernels' `compiler_options` do not reach this step.
     """
     model, train = cfg.model, cfg.train
     pmapped = jax.pmap(partial(train_step, cfg, axis_name=axis_name), axis_name=axis_name,

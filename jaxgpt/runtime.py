@@ -22,6 +22,7 @@ from jax.sharding import Mesh
 from jaxgpt import parallel
 from jaxgpt.checkpoint import on_one_device
 from jaxgpt.config import RunConfig
+from jaxgpt.kernels import choose_kernels
 from jaxgpt.model import Params
 from jaxgpt.step import TrainState, compile_steps, eval_step, init_state, state_from_params
 
@@ -112,7 +113,8 @@ class Sharded(SingleDevice):
         train_fn = parallel.sharded_train_step(self.cfg, self.mesh, self.shardings)
         eval_fn = jax.jit(functools.partial(eval_step, self.cfg),
                           in_shardings=(self.shardings.params, parallel.batch_sharding(self.mesh)),
-                          out_shardings=parallel.replicated(self.mesh))
+                          out_shardings=parallel.replicated(self.mesh),
+                          compiler_options=choose_kernels(self.cfg.model).jit_options())
         return train_fn, eval_fn
 
     def init_state(self, rng: jax.Array) -> TrainState:

@@ -126,6 +126,9 @@ def eval_step(cfg: RunConfig, params: Params, batch_BW: jax.Array, kernels: Kern
 def compile_steps(cfg: RunConfig, kernels: Kernels | None = None):
     """The jitted train step (state buffers donated) and eval step for one config (and `kernels`,
     by default the ones chosen for its model on this backend)."""
-    train = jax.jit(lambda state, batch: train_step(cfg, state, batch, kernels=kernels), donate_argnums=0)
-    evaluate = jax.jit(lambda params, batch: eval_step(cfg, params, batch, kernels))
+    kernels = kernels or choose_kernels(cfg.model)
+    options = kernels.jit_options()
+    train = jax.jit(lambda state, batch: train_step(cfg, state, batch, kernels=kernels), donate_argnums=0,
+                    compiler_options=options)
+    evaluate = jax.jit(lambda params, batch: eval_step(cfg, params, batch, kernels), compiler_options=options)
     return train, evaluate

@@ -51,6 +51,7 @@ from tqdm.auto import tqdm
 
 from jaxgpt.config import ConfigError, RunConfig, TrainConfig, load_config, read_toml
 from jaxgpt.data import RunData, eval_summary, prepare_data, train_batch, val_batch
+from jaxgpt.kernels import choose_kernels
 from jaxgpt.model import count_params
 from jaxgpt.optim import OptHParams
 from jaxgpt.rundir import atomic_file, write_atomic
@@ -216,8 +217,9 @@ def train_group(runs: list[Member], data: RunData, *, progress: bool = True, des
         traces["eval"] += 1
         return eval_step(cfg, params, batch_BW)
 
-    step_fn = jax.jit(jax.vmap(member_step), donate_argnums=0)
-    eval_fn = jax.jit(jax.vmap(member_eval))
+    options = choose_kernels(cfg.model).jit_options()
+    step_fn = jax.jit(jax.vmap(member_step), donate_argnums=0, compiler_options=options)
+    eval_fn = jax.jit(jax.vmap(member_eval), compiler_options=options)
     # As train() does: the state of a run with train.seed s starts from jax.random.key(s).
     state = jax.vmap(lambda key: init_state(cfg, key))(jax.vmap(jax.random.key)(seeds_M))
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import types
 
 import jax
@@ -135,6 +136,7 @@ def _script(name: str) -> types.ModuleType:
     path = Path(__file__).resolve().parent.parent / "scripts" / f"{name}.py"
     spec = importlib.util.spec_from_file_location(f"scripts_{name}", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
@@ -163,3 +165,39 @@ def test_attention_bench_times_each_jax_implementation() -> None:
     results = _script("bench_attention").jax_timings(B=1, T=64, H=2, D=8, repeats=1)
     assert set(results) == {"jaxgpt_cpu", "jaxgpt_portable", "jax_dot_product_attention"}
     assert _finite_positive(*results.values())
+
+
+def test_gpu_bench_times_a_variant_with_its_kernels_and_options() -> None:
+    gpu_bench = _script("gpu_bench")
+    variant = gpu_bench.Variant("plain head, no fusion", plain_head=True,
+                                options=(("xla_backend_optimization_level", 0),))
+    record = gpu_bench.train_variant(gpu_bench.SMOKE, variant, 1, {"tokens_per_s": 1000.0})
+    assert record["variant"] == "plain head, no fusion" and record["head_loss"] == "plain"
+    assert record["options"] == {"xla_backend_optimization_level": 0}
+    assert record["batch"] == 4 and record["context"] == 64 and math.isfinite(record["loss"])
+    assert _finite_positive(record["step_ms"], record["tokens_per_s"], record["compile_s"])
+    assert record["vs_torch"] == pytest.approx(record["tokens_per_s"] / 1000.0)
+    assert "| plain head, no fusion | 4 |" in gpu_bench.table([record])
+
+
+def test_gpu_bench_profile_summary_reads_the_device_streams(tmp_path) -> None:
+    # The layout of jax.profiler's perfetto trace on a GPU: a /device: process whose stream
+    # threads hold the kernels (other threads repeat them as XLA ops and modules).
+    import gzip
+
+    meta = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/host:CPU"}},
+            {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+            {"ph": "M", "pid": 2, "tid": 7, "name": "thread_name", "args": {"name": "Stream #13(Compute)"}},
+            {"ph": "M", "pid": 2, "tid": 8, "name": "thread_name", "args": {"name": "XLA Ops"}}]
+    kernels = [("gemm", 300.0), ("gemm", 300.0), ("flash_fwd", 250.0), ("loop_fusion", 50.0)]
+    events = meta + [{"ph": "X", "pid": 2, "tid": 7, "name": n, "dur": d} for n, d in kernels]
+    events += [{"ph": "X", "pid": 2, "tid": 8, "name": "fusion.1", "dur": 5000.0},
+               {"ph": "X", "pid": 1, "tid": 3, "name": "PjitFunction", "dur": 9000.0}]
+    folder = tmp_path / "plugins/profile/run"
+    folder.mkdir(parents=True)
+    with gzip.open(folder / "perfetto_trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    summary = _script("gpu_bench").summarise_trace(tmp_path, top=2)
+    assert summary["source"] == "device streams" and summary["total_ms"] == pytest.approx(0.9)
+    assert [(t["name"], t["calls"]) for t in summary["top"]] == [("gemm", 2), ("flash_fwd", 1)]
+    assert summary["top"][0]["share"] == pytest.approx(600 / 900)

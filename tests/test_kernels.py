@@ -131,3 +131,18 @@ def test_the_kernels_key_is_checked_and_leaves_the_fingerprint_alone():
 def test_dry_run_names_the_kernels(capsys, overrides, name):
     assert cli_main(["dry-run", "--config", DAY1, *overrides]) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["kernels"] == name
+
+
+def test_the_kernels_compiler_options_reach_the_compiled_steps():
+    from jaxgpt.step import compile_steps, init_state
+
+    cfg = RunConfig(model=BASE)
+    state = init_state(cfg, jax.random.key(0))
+    batch = jnp.zeros((2, BASE.context_length + 1), jnp.int32)
+    bogus = dataclasses.replace(PORTABLE, compiler_options=(("xla_no_such_option", True),))
+    assert PORTABLE.jit_options() is None and bogus.jit_options() == {"xla_no_such_option": True}
+    train, evaluate = compile_steps(cfg, bogus)
+    with pytest.raises(Exception, match="xla_no_such_option"):
+        train(state, batch)
+    with pytest.raises(Exception, match="xla_no_such_option"):
+        evaluate(state.params, batch)

@@ -34,3 +34,10 @@ class Kernels:
     # float32 scalar, `weight` the embedding [V, C] when tied, the head's kernel [C, V] otherwise.
     # None: the logits above, then the cross-entropy (all [B, T, V] logits in memory).
     head_loss: Callable[..., Any] | None = None
+    # XLA options for the programs that run these kernels (`jax.jit(compiler_options=...)`): the
+    # backend's measured defaults, as (name, value) pairs.
+    compiler_options: tuple[tuple[str, Any], ...] = ()
+
+    def jit_options(self) -> dict[str, Any] | None:
+        """`compiler_options` as `jax.jit` takes them."""
+        return dict(self.compiler_options) or None

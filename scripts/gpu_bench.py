@@ -1,0 +1,339 @@
+"""GPT-2 124M on one GPU, in one run: jaxgpt's train-step variants beside torch.compile, decoding, a profile.
+
+    python scripts/gpu_bench.py --out gpu_bench              # one H200: at most about 8 minutes
+    python scripts/gpu_bench.py --smoke --out /tmp/smoke      # a tiny model on the CPU: checks the script
+
+Prints the device and the library versions, then one line per measurement as it finishes, then
+a table (markdown). Writes every record to OUT/records.jsonl (one JSON object a line, for diffing
+runs) and the profile under OUT/profile/.
+
+1. The PyTorch reference first, in its own process (scripts/torch_gpt2_ref.py: nanoGPT's step,
+   torch.compile, bfloat16 autocast, flash attention, fused AdamW), so that its memory is free
+   before JAX takes the GPU's.
+2. jaxgpt's train step (experiments/gpt2_124m.toml, float32 params and loss), one variant at a
+   time, each compiled with its own kernels and XLA options in this process: step time (median),
+   tokens/s, MFU against the nominal bf16 peak, compiled memory, compile seconds, the ratio to the
+   reference's tokens/s, and whether the step calls cuDNN's fused attention. Variants past
+   `--budget-s` are skipped, and say so.
+3. Greedy decoding of 512 new tokens after a 16-token prompt at batch 1 and 64, with the params
+   as stored and with the matmul weights cast to bfloat16 once before the loop; then the same
+   decoding in a second process whose XLA_FLAGS capture the whole token loop (`WHILE`,
+   `CONDITIONAL`) in CUDA command buffers.
+4. A profile of three steps of the first variant (`jax.profiler`), summarised: the device's top
+   kernels by time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gzip
+import importlib.metadata
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from jaxgpt.bench import NOMINAL_BF16_PEAK, median_time  # noqa: E402
+from jaxgpt.config import RunConfig, load_config  # noqa: E402
+from jaxgpt.data import window_length  # noqa: E402
+from jaxgpt.generate import generate  # noqa: E402
+from jaxgpt.kernels import PORTABLE, Kernels, choose_kernels  # noqa: E402
+from jaxgpt.metrics import flops_per_token  # noqa: E402
+from jaxgpt.model import init_params  # noqa: E402
+from jaxgpt.step import init_state, train_step  # noqa: E402
+
+CONFIG = ROOT / "experiments/gpt2_124m.toml"
+SMOKE = ["model.vocab_size=256", "model.context_length=64", "model.d_model=64", "model.n_layers=2",
+         "model.n_heads=4", "train.batch_size=4"]
+COMMAND_BUFFERS = "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE"
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    name: str
+    overrides: tuple[str, ...] = ()
+    plain_head: bool = False  # the head's logits, then the cross-entropy (the fused head-loss off)
+    portable: bool = False  # the portable kernels: XLA's attention, the plain head
+    options: tuple[tuple[str, Any], ...] = ()  # XLA options added to the kernels' own
+
+
+# In order of what the run must not miss if the budget runs out.
+VARIANTS = (
+    Variant("default"),
+    Variant("plain head", plain_head=True),
+    Variant("batch 64", ("train.batch_size=64",)),
+    Variant("remat", ("model.remat=true",)),
+    Variant("triton gemm off", options=(("xla_gpu_enable_triton_gemm", False),)),
+    Variant("latency-hiding scheduler", options=(("xla_gpu_enable_latency_hiding_scheduler", True),)),
+    Variant("portable kernels", portable=True),
+    Variant("float32", ("model.dtype=float32",)),
+)
+
+
+def versions() -> dict[str, Any]:
+    out = {"python": platform.python_version(), "devices": [str(d) for d in jax.devices()],
+           "device_kind": jax.devices()[0].device_kind, "backend": jax.default_backend()}
+    for package in ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "chex", "torch", "transformers"):
+        try:
+            out[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            out[package] = None
+    return out
+
+
+def nominal_peak() -> float | None:
+    kind = jax.devices()[0].device_kind.lower()
+    return next((peak for name, peak in NOMINAL_BF16_PEAK if name in kind), None)
+
+
+def variant_kernels(cfg: RunConfig, variant: Variant) -> Kernels:
+    kernels = PORTABLE if variant.portable else choose_kernels(cfg.model)
+    if variant.plain_head:
+        kernels = dataclasses.replace(kernels, head_loss=None)
+    return dataclasses.replace(kernels, compiler_options=kernels.compiler_options + variant.options)
+
+
+def train_variant(base: list[str], variant: Variant, repeats: int, reference: dict | None) -> dict[str, Any]:
+    cfg = load_config(CONFIG, [*base, *variant.overrides])
+    kernels = variant_kernels(cfg, variant)
+    state = init_state(cfg, jax.random.key(0))
+    B, T = cfg.train.batch_size, cfg.model.context_length
+    batch = jax.random.randint(jax.random.key(1), (B, window_length(cfg.model)), 0, cfg.model.vocab_size)
+    step = jax.jit(lambda s, b: train_step(cfg, s, b, kernels=kernels), donate_argnums=0,
+                   compiler_options=kernels.jit_options())
+    started = time.perf_counter()
+    lowered = step.lower(state, batch)
+    compiled = lowered.compile()
+    compile_s = time.perf_counter() - started
+    holder = [state]
+
+    def call():
+        holder[0], metrics = compiled(holder[0], batch)
+        return metrics["loss"]
+
+    seconds = median_time(call, repeats, min_repeat_s=0.5)
+    loss = float(call())
+    memory = compiled.memory_analysis()
+    peak = nominal_peak()
+    tokens_per_s = B * T / seconds
+    record = {
+        "mode": "train", "variant": variant.name, "framework": "jaxgpt", "kernels": kernels.name,
+        "head_loss": "fused" if kernels.head_loss else "plain", "options": dict(kernels.compiler_options),
+        "dtype": cfg.model.dtype, "remat": cfg.model.remat, "batch": B, "context": T,
+        "step_ms": seconds * 1e3, "tokens_per_s": tokens_per_s,
+        "mfu": tokens_per_s * flops_per_token(cfg.model) / peak if peak else None,
+        "compile_s": compile_s, "loss": loss, "cudnn_attention": "cudnn$fmha" in lowered.as_text(),
+        "temp_bytes": getattr(memory, "temp_size_in_bytes", None),
+        "argument_bytes": getattr(memory, "argument_size_in_bytes", None),
+    }
+    if reference and reference.get("tokens_per_s"):
+        record["vs_torch"] = tokens_per_s / reference["tokens_per_s"]
+    return record
+
+
+def torch_reference(args: argparse.Namespace) -> dict[str, Any]:
+    command = [sys.executable, str(ROOT / "scripts/torch_gpt2_ref.py"), "--steps", str(args.torch_steps)]
+    if args.smoke:
+        command += ["--layers", "2", "--width", "64", "--heads", "4", "--vocab", "256", "--context", "64",
+                    "--batch", "4", "--warmup", "1", "--no-compile"]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=args.torch_timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"mode": "train", "variant": "torch.compile", "error": f"timed out after {args.torch_timeout_s} s"}
+    if done.returncode != 0:
+        return {"mode": "train", "variant": "torch.compile", "error": done.stderr.strip().splitlines()[-1:]}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def bf16_matmul_weights(params: Any) -> Any:
+    """The dense layers' kernels in bfloat16: a bfloat16 model casts them to that at every use."""
+    def cast(path, leaf):
+        return leaf.astype(jnp.bfloat16) if getattr(path[-1], "key", None) == "kernel" else leaf
+    return jax.tree_util.tree_map_with_path(cast, params)
+
+
+def decode_records(base: list[str], batches: tuple[int, ...], new_tokens: int, label: str) -> list[dict[str, Any]]:
+    model = load_config(CONFIG, base).model
+    params = init_params(model, jax.random.key(0))
+    rng = np.random.default_rng(0)
+    records = []
+    for weights, p in (("as stored", params), ("bf16 matmul weights", bf16_matmul_weights(params))):
+        for B in batches:
+            prompts = rng.integers(0, model.vocab_size, (B, 16)).tolist()
+            run = lambda: generate(p, model, prompts, new_tokens, temperature=0.0)
+            start = time.perf_counter()
+            first = run()
+            first_s = time.perf_counter() - start
+            seconds = median_time(run, 3, min_repeat_s=0.0)
+            records.append({"mode": "decode", "variant": f"{label}, {weights}", "batch": B, "new_tokens": new_tokens,
+                            "tokens_per_s": B * new_tokens / seconds, "ms_per_token": seconds / new_tokens * 1e3,
+                            "first_call_s": first_s, "first_row": first[0][:8]})
+    return records
+
+
+def decode_with_flags(args: argparse.Namespace, flags: str) -> list[dict[str, Any]]:
+    env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip()}
+    command = [sys.executable, __file__, "--decode-only", "--label", "command buffers"]
+    command += ["--smoke"] if args.smoke else []
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=args.decode_timeout_s)
+    except subprocess.TimeoutExpired:
+        return [{"mode": "decode", "variant": "command buffers", "error": f"timed out after {args.decode_timeout_s} s"}]
+    if done.returncode != 0:
+        return [{"mode": "decode", "variant": "command buffers", "error": done.stderr.strip().splitlines()[-3:]}]
+    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+
+
+def summarise_trace(trace_dir: Path, top: int = 12) -> dict[str, Any]:
+    """Top events by summed duration from `jax.profiler`'s perfetto trace: the GPU's kernels (its
+    stream threads) where the trace has a device; else (a CPU) the host's events."""
+    paths = sorted(trace_dir.rglob("perfetto_trace.json.gz"))
+    if not paths:
+        return {"mode": "profile", "error": f"no perfetto_trace.json.gz under {trace_dir}"}
+    events = json.load(gzip.open(paths[-1]))
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    process, thread = {}, {}
+    for e in events:
+        if e.get("ph") == "M" and e.get("name") == "process_name":
+            process[e["pid"]] = e["args"]["name"]
+        elif e.get("ph") == "M" and e.get("name") == "thread_name":
+            thread[e["pid"], e.get("tid")] = e["args"]["name"]
+    device = {pid for pid, name in process.items() if name.startswith("/device:")}
+    streams = {key for key, name in thread.items() if key[0] in device and "stream" in name.lower()}
+    if streams:
+        chosen, source = (lambda e: (e["pid"], e.get("tid")) in streams), "device streams"
+    else:
+        chosen, source = (lambda e: e["pid"] in device) if device else (lambda e: True), "device" if device else "host"
+    total: dict[str, float] = defaultdict(float)
+    count: dict[str, int] = defaultdict(int)
+    for e in events:
+        if e.get("ph") == "X" and "dur" in e and chosen(e):
+            total[e["name"]] += float(e["dur"])
+            count[e["name"]] += 1
+    overall = sum(total.values())
+    ranked = sorted(total, key=total.get, reverse=True)[:top]
+    return {"mode": "profile", "source": source, "total_ms": overall / 1e3,
+            "top": [{"name": name[:120], "ms": total[name] / 1e3, "calls": count[name],
+                     "share": total[name] / overall if overall else None} for name in ranked]}
+
+
+def profile(base: list[str], variant: Variant, out: Path) -> dict[str, Any]:
+    cfg = load_config(CONFIG, [*base, *variant.overrides])
+    kernels = variant_kernels(cfg, variant)
+    state = init_state(cfg, jax.random.key(0))
+    batch = jax.random.randint(jax.random.key(1), (cfg.train.batch_size, window_length(cfg.model)), 0,
+                               cfg.model.vocab_size)
+    step = jax.jit(lambda s, b: train_step(cfg, s, b, kernels=kernels), donate_argnums=0,
+                   compiler_options=kernels.jit_options())
+    state, metrics = step(state, batch)
+    jax.block_until_ready(metrics)
+    with jax.profiler.trace(str(out), create_perfetto_trace=True):
+        for _ in range(3):
+            state, metrics = step(state, batch)
+        jax.block_until_ready(metrics)
+    return {**summarise_trace(out), "variant": variant.name, "steps": 3}
+
+
+def _fmt(value: Any, digits: int = 1) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return f"{value:,.{digits}f}"
+    return str(value)
+
+
+def table(records: list[dict[str, Any]]) -> str:
+    lines = ["| what | batch | step ms | tokens/s | MFU | vs torch | temp GB | compile s |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in records:
+        if r.get("mode") == "train":
+            name = r["variant"] if r.get("framework") == "jaxgpt" else f"{r['variant']} ({r.get('framework')})"
+            temp = r.get("temp_bytes") or r.get("peak_bytes")
+            lines.append(f"| {name} | {_fmt(r.get('batch'))} | {_fmt(r.get('step_ms'))} | "
+                         f"{_fmt(r.get('tokens_per_s'), 0)} | "
+                         f"{_fmt(r['mfu'] * 100 if r.get('mfu') else None)}{'%' if r.get('mfu') else ''} | "
+                         f"{_fmt(r.get('vs_torch'), 3)} | {_fmt(temp / 1e9 if temp else None, 2)} | "
+                         f"{_fmt(r.get('compile_s'))} |" if "error" not in r else f"| {name} | error: {r['error']} |")
+    lines += ["", "| decoding | batch | tokens/s | ms a token |", "| --- | ---: | ---: | ---: |"]
+    for r in records:
+        if r.get("mode") == "decode":
+            lines.append(f"| {r['variant']} | {_fmt(r.get('batch'))} | {_fmt(r.get('tokens_per_s'), 0)} | "
+                         f"{_fmt(r.get('ms_per_token'), 3)} |" if "error" not in r else f"| {r['variant']} | error: {r['error']} |")
+    for r in records:
+        if r.get("mode") == "profile" and "top" in r:
+            lines += ["", f"profile of {r['variant']} ({r['steps']} steps, {r['source']}, {r['total_ms']:,.1f} ms):",
+                      "| kernel | ms | calls | share |", "| --- | ---: | ---: | ---: |"]
+            lines += [f"| {t['name']} | {t['ms']:,.2f} | {t['calls']} | {(t['share'] or 0) * 100:.1f}% |" for t in r["top"]]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="gpu_bench")
+    parser.add_argument("--smoke", action="store_true", help="a tiny model, for checking the script on a CPU")
+    parser.add_argument("--variants", default=",".join(v.name for v in VARIANTS), help="comma-separated names")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--budget-s", type=float, default=330.0, help="no new train variant after this")
+    parser.add_argument("--torch-steps", type=int, default=20)
+    parser.add_argument("--torch-timeout-s", type=float, default=150.0)
+    parser.add_argument("--decode-timeout-s", type=float, default=90.0)
+    parser.add_argument("--new-tokens", type=int, default=512)
+    parser.add_argument("--decode-only", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--label", default="default XLA flags", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    base = SMOKE if args.smoke else []
+    new_tokens = min(args.new_tokens, 32) if args.smoke else args.new_tokens
+    batches = (1, 4) if args.smoke else (1, 64)
+    if args.decode_only:
+        for record in decode_records(base, batches, new_tokens, args.label):
+            print(json.dumps(record), flush=True)
+        return
+
+    started = time.perf_counter()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    records: list[dict[str, Any]] = []
+    sink = (out / "records.jsonl").open("w", encoding="utf-8")
+
+    def emit(record: dict[str, Any]) -> None:
+        record = {**record, "elapsed_s": round(time.perf_counter() - started, 1)}
+        records.append(record)
+        sink.write(json.dumps(record) + "\n")
+        sink.flush()
+        print(json.dumps(record), flush=True)
+
+    reference = torch_reference(args)  # before JAX allocates the GPU's memory
+    emit({"mode": "versions", **versions()})
+    emit(reference)
+    wanted = [v for v in VARIANTS if v.name in args.variants.split(",")]
+    for variant in wanted:
+        if time.perf_counter() - started > args.budget_s:
+            emit({"mode": "train", "variant": variant.name, "error": f"skipped: past --budget-s {args.budget_s:.0f}"})
+            continue
+        emit(train_variant(base, variant, args.repeats, reference))
+    for record in decode_records(base, batches, new_tokens, "default XLA flags"):
+        emit(record)
+    if jax.default_backend() == "gpu":
+        for record in decode_with_flags(args, COMMAND_BUFFERS):
+            emit(record)
+    emit(profile(base, wanted[0] if wanted else VARIANTS[0], out / "profile"))
+    sink.close()
+    print(f"\n{versions()['device_kind']}, jax {versions()['jax']}, {time.perf_counter() - started:.0f} s\n")
+    print(table(records))
+
+
+if __name__ == "__main__":
+    main()
