@@ -74,6 +74,7 @@ class Variant:
 VARIANTS = (
     Variant("default"),
     Variant("plain head", plain_head=True),
+    Variant("unrolled layers", ("model.scan_layers=false",)),
     Variant("batch 64", ("train.batch_size=64",)),
     Variant("remat", ("model.remat=true",)),
     Variant("triton gemm off", options=(("xla_gpu_enable_triton_gemm", False),)),
