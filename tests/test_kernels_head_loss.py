@@ -88,3 +88,37 @@ def test_the_124m_train_step_no_longer_holds_the_float32_logits():
     logits_bytes = 8 * 1024 * 50304 * 4
     plain, chunked = temp_bytes(PORTABLE), temp_bytes(fused)
     assert plain - chunked >= logits_bytes, (plain, chunked)
+
+
+def test_sharded_over_data_and_fsdp_the_fused_step_equals_one_devices(monkeypatch):
+    # The chunks slice T, so the batch axis keeps its sharding: 8 fake devices, data 2 x fsdp 4.
+    from jaxgpt import parallel, step
+
+    assert jax.device_count() == 8
+    cfg = RunConfig(model=BASE, train=TrainConfig(batch_size=8, steps=4, warmup_steps=0, fsdp=4, adam_eps=1e-4))
+    batch = np.asarray(jax.random.randint(jax.random.key(3), (8, BASE.context_length + 1), 0, BASE.vocab_size))
+    state = jax.device_get(init_state(cfg, jax.random.key(0)))
+    want, want_metrics = jax.jit(lambda s, b: train_step(cfg, s, b, kernels=PORTABLE))(state, batch)
+    monkeypatch.setattr(step, "choose_kernels", lambda model: FUSED)
+    mesh = parallel.make_mesh(cfg.train)
+    shardings = parallel.state_shardings(mesh, parallel.state_shapes(cfg), 4)
+    sharded = parallel.sharded_train_step(cfg, mesh, shardings)
+    got, got_metrics = sharded(jax.device_put(state, shardings), parallel.shard_batch(batch, mesh))
+    np.testing.assert_allclose(got_metrics["loss"], want_metrics["loss"], rtol=1e-5)
+    np.testing.assert_allclose(got_metrics["grad_norm"], want_metrics["grad_norm"], rtol=1e-5)
+    for got_leaf, want_leaf in zip(jax.tree_util.tree_leaves(got.params), jax.tree_util.tree_leaves(want.params)):
+        np.testing.assert_allclose(np.asarray(got_leaf), want_leaf, rtol=1e-5, atol=1e-6)
+
+
+def test_vmapped_over_members_as_a_sweep_runs_it():
+    params = jax.vmap(lambda k: init_params(BASE, k))(jax.random.split(jax.random.key(0), 2))
+    window = jax.random.randint(jax.random.key(1), (2, 2, BASE.context_length + 1), 0, BASE.vocab_size)
+
+    def loss_and_grads(kernels):
+        objective = lambda p, w: depth_losses(p, BASE, w, train=True, kernels=kernels)[0]
+        return jax.vmap(jax.value_and_grad(objective))(params, window)
+
+    (want, want_grads), (got, got_grads) = jax.jit(lambda: (loss_and_grads(PORTABLE), loss_and_grads(FUSED)))()
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+    for got_leaf, want_leaf in zip(jax.tree_util.tree_leaves(got_grads), jax.tree_util.tree_leaves(want_grads)):
+        np.testing.assert_allclose(got_leaf, want_leaf, rtol=0, atol=1e-5 * max(1.0, float(jnp.abs(want_leaf).max())))
