@@ -169,12 +169,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from jaxgpt.sweep import load_sweep, markdown_table, run_sweep, summarise
+    from jaxgpt.sweep import load_sweep, run_sweep
+    from jaxgpt.sweep_report import markdown_table, summarise
 
     sweep = load_sweep(args.sweep, seeds=args.seeds)
     out = Path(args.out or f"runs/sweep-{sweep.name}")
     records = run_sweep(sweep, out, progress=not args.no_progress)
-    print(markdown_table(summarise(sweep, records)), end="")
+    print(markdown_table(summarise(sweep, records), sweep.reference), end="")
     print(f"results: {out / 'results.jsonl'}, {out / 'results.md'}, {out / 'val_loss.png'}", file=sys.stderr)
     return 0
 

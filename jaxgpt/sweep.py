@@ -15,6 +15,10 @@ A sweep file is TOML:
     name = "rmsnorm"
     set = ["model.norm=rmsnorm"]  # the same section.key=value overrides as `--set` / load_config
 
+Optionally, another codebase's figures for the same grid, reported beside ours
+(`jaxgpt.sweep_report`): `reference = { name = "octlm", seeds = 3 }` at the top, and per variant
+`reference = { bpb = 2.9339, spread = 0.0434 }` (its mean bits per byte and seed spread).
+
 A member is one (variant, seed) run. Members whose resolved configs differ only in the keys of
 `VMAPPED_KEYS` (train.seed and the optimiser values lr, min_lr, warmup_steps, weight_decay, beta1,
 beta2, muon_lr) form a group and train together in one compiled program: `jax.vmap` over a leading member
@@ -28,7 +32,8 @@ The output folder holds `results.jsonl` (one record per member: variant, seed, t
 overrides, config_sha256, final val_loss / val_bits_per_byte / train_loss, the eval curve, and the
 wall time of its group, whose members train together; rewritten after each group, so a rerun
 skips the members already there with the same config), `results.md` (a table per variant: mean
-val bits per byte, seed spread as max − min, gap to the baseline, verdict) and `val_loss.png`
+val bits per byte, seed spread as max − min, gap to the baseline, verdict, and the reference's
+figures beside them) and `val_loss.png`
 (each variant's mean val-loss curve, the seeds' min..max shaded).
 """
 
@@ -54,11 +59,13 @@ from jaxgpt.data import RunData, eval_summary, prepare_data, train_batch, val_ba
 from jaxgpt.kernels import choose_kernels
 from jaxgpt.model import count_params
 from jaxgpt.optim import OptHParams
-from jaxgpt.rundir import atomic_file, write_atomic
+from jaxgpt.rundir import write_atomic
 from jaxgpt.step import TrainState, eval_step, init_state, train_step
+from jaxgpt.sweep_report import write_report
 
-SWEEP_KEYS = ("base", "seeds", "set", "variant")
-VARIANT_KEYS = ("name", "set")
+SWEEP_KEYS = ("base", "seeds", "set", "reference", "variant")
+VARIANT_KEYS = ("name", "set", "reference")
+REFERENCE_KEYS, VARIANT_REFERENCE_KEYS = ("name", "seeds"), ("bpb", "spread")
 VMAPPED_KEYS = ("train.seed", *(f"train.{name}" for name in OptHParams._fields))
 BASELINE = "baseline"
 
@@ -68,6 +75,7 @@ class Variant:
     name: str
     overrides: tuple[str, ...]  # the variant's own `set` (applied after the sweep's)
     config: RunConfig  # base + the sweep's set + the variant's set
+    reference: tuple[float, float] | None = None  # the reference's (mean bits per byte, seed spread)
 
 
 @dataclass(frozen=True)
@@ -78,6 +86,8 @@ class Sweep:
     seeds: int
     variants: tuple[Variant, ...]
     baseline: str
+    reference: str | None = None  # who ran the grid the variants' reference figures come from
+    reference_seeds: int = 0
 
 
 @dataclass(frozen=True)
@@ -109,6 +119,24 @@ def _overrides(where: str, value: Any) -> tuple[str, ...]:
     return tuple(value)
 
 
+def _table(where: str, value: Any, keys: tuple[str, ...]) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ConfigError(f"{where}: reference must be a table with {', '.join(keys)}, got {value!r}")
+    _check_keys(f"{where}: reference", value, keys)
+    missing = [key for key in keys if key not in value]
+    if missing:
+        raise ConfigError(f"{where}: reference needs {', '.join(missing)}")
+    return value
+
+
+def _variant_reference(where: str, value: Any) -> tuple[float, float]:
+    table = _table(where, value, VARIANT_REFERENCE_KEYS)
+    for key, number in table.items():
+        if isinstance(number, bool) or not isinstance(number, (int, float)) or not math.isfinite(number) or number < 0:
+            raise ConfigError(f"{where}: reference {key} must be a finite number >= 0, got {number!r}")
+    return float(table["bpb"]), float(table["spread"])
+
+
 def load_sweep(path: str | Path, seeds: int | None = None) -> Sweep:
     """Read and validate a sweep file; every variant's config is resolved (and so checked) here."""
     path = Path(path)
@@ -129,6 +157,14 @@ def load_sweep(path: str | Path, seeds: int | None = None) -> Sweep:
         load_config(base, common)
     except ConfigError as err:
         raise ConfigError(f"{path}: set: {err}") from None
+    reference, reference_seeds = None, 0
+    if "reference" in raw:
+        table = _table(str(path), raw["reference"], REFERENCE_KEYS)
+        reference, reference_seeds = table["name"], table["seeds"]
+        if not isinstance(reference, str) or not reference.strip():
+            raise ConfigError(f"{path}: reference name must be a non-empty string, got {reference!r}")
+        if isinstance(reference_seeds, bool) or not isinstance(reference_seeds, int) or reference_seeds < 1:
+            raise ConfigError(f"{path}: reference seeds must be an integer >= 1, got {reference_seeds!r}")
     tables = raw.get("variant")
     if not isinstance(tables, list) or not tables or not all(isinstance(t, dict) for t in tables):
         raise ConfigError(f"{path}: needs at least one [[variant]] table with a name")
@@ -146,10 +182,17 @@ def load_sweep(path: str | Path, seeds: int | None = None) -> Sweep:
             config = load_config(base, common + overrides)
         except ConfigError as err:
             raise ConfigError(f"{where}: {err}") from None
-        variants.append(Variant(name, overrides, config))
+        figures = None
+        if "reference" in table:
+            if reference is None:
+                raise ConfigError(f"{where}: a reference needs the sweep's own reference = "
+                                  "{ name = ..., seeds = ... } (whose grid the figures come from)")
+            figures = _variant_reference(where, table["reference"])
+        variants.append(Variant(name, overrides, config, figures))
     names = [v.name for v in variants]
     baseline = BASELINE if BASELINE in names else names[0]
-    return Sweep(path.stem, None if base is None else str(base), common, seeds, tuple(variants), baseline)
+    return Sweep(path.stem, None if base is None else str(base), common, seeds, tuple(variants), baseline,
+                 reference, reference_seeds)
 
 
 def members(sweep: Sweep) -> list[Member]:
@@ -318,88 +361,3 @@ def run_sweep(sweep: Sweep, out_dir: str | Path, *, progress: bool = True,
     records = [done[_key(m)] for m in runs]
     write_report(sweep, records, out)
     return records
-
-
-def verdict(gap: float, baseline_spread: float, baseline_seeds: int) -> str:
-    """"better"/"worse" (lower bits per byte is better) only when |gap| exceeds the baseline's
-    seed spread; a single baseline seed gives no spread to judge by."""
-    if not math.isfinite(gap):
-        return "diverged"
-    if baseline_seeds < 2:
-        return "no noise estimate (1 seed)"
-    if abs(gap) <= baseline_spread:
-        return "within noise"
-    return "better" if gap < 0 else "worse"
-
-
-def summarise(sweep: Sweep, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per variant: mean val bits per byte, seed spread (max - min), gap to the baseline."""
-    rows = []
-    for variant in sweep.variants:
-        values = [r["val_bits_per_byte"] for r in records if r["variant"] == variant.name]
-        if not values:
-            continue
-        finite = all(math.isfinite(v) for v in values)
-        rows.append({"variant": variant.name, "seeds": len(values), "overrides": variant.overrides,
-                     "parameters": next(r["parameters"] for r in records if r["variant"] == variant.name),
-                     "mean": float(np.mean(values)) if finite else math.nan,
-                     "spread": float(np.max(values) - np.min(values)) if finite else math.nan})
-    base = next((row for row in rows if row["variant"] == sweep.baseline), None)
-    for row in rows:
-        if base is None:
-            row["gap"], row["verdict"] = math.nan, "no baseline yet"
-        elif row is base:
-            row["gap"], row["verdict"] = 0.0, "baseline"
-        else:
-            row["gap"] = row["mean"] - base["mean"]
-            row["verdict"] = verdict(row["gap"], base["spread"], base["seeds"])
-    return rows
-
-
-def markdown_table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| variant | overrides | parameters | seeds | mean val bits/byte | seed spread (max − min) "
-             "| gap to baseline | verdict |", "|---|---|---:|---:|---:|---:|---:|---|"]
-    for row in rows:
-        changed = ", ".join(f"`{o}`" for o in row["overrides"]) or "–"
-        gap = "–" if row["verdict"] == "baseline" else f"{row['gap']:+.4f}"
-        lines.append(f"| {row['variant']} | {changed} | {row['parameters']:,} | {row['seeds']} | {row['mean']:.4f} "
-                     f"| {row['spread']:.4f} | {gap} | {row['verdict']} |")
-    return "\n".join(lines) + "\n"
-
-
-def write_report(sweep: Sweep, records: list[dict[str, Any]], out: Path) -> None:
-    rows = summarise(sweep, records)
-    common = ", ".join(f"`{o}`" for o in sweep.common) or "none"
-    header = (f"# Sweep {sweep.name}\n\nBase config: `{sweep.base or 'built-in defaults'}`; overrides for every "
-              f"variant: {common}.\n\nVal bits per byte at the last step (lower is better), mean over seeds. "
-              f"Seed spread is max − min over seeds; the verdict is better/worse only when |gap| exceeds "
-              f"the baseline's ({sweep.baseline}) seed spread.\n\n")
-    write_atomic(out / "results.md", header + markdown_table(rows))
-    plot_curves(sweep, records, out / "val_loss.png")
-
-
-def plot_curves(sweep: Sweep, records: list[dict[str, Any]], out_png: Path) -> None:
-    """Each variant's mean val-loss curve over its seeds, the seeds' min..max shaded."""
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(8, 5), dpi=100)
-    ax = fig.subplots()
-    for variant in sweep.variants:
-        curves = [r["evals"] for r in records if r["variant"] == variant.name]
-        if not curves:
-            continue
-        steps = [e["step"] for e in curves[0]]
-        losses = np.array([[e["val_loss"] for e in c] for c in curves if len(c) == len(steps)])
-        baseline = variant.name == sweep.baseline
-        line, = ax.plot(steps, losses.mean(axis=0), label=variant.name, marker="o", markersize=3,
-                        color="black" if baseline else None, linewidth=2.2 if baseline else 1.4)
-        if len(losses) > 1:
-            ax.fill_between(steps, losses.min(axis=0), losses.max(axis=0), color=line.get_color(), alpha=0.18)
-    ax.set_title(f"sweep {sweep.name}: val loss, mean over seeds (range shaded)")
-    ax.set_xlabel("step")
-    ax.set_ylabel("val cross-entropy (nats)")
-    ax.grid(alpha=0.3)
-    if ax.lines:
-        ax.legend(fontsize=8)
-    with atomic_file(out_png) as f:
-        fig.savefig(f, format="png")

@@ -18,8 +18,8 @@ from jaxgpt.cli import main
 from jaxgpt.config import ConfigError, TrainConfig
 from jaxgpt.metrics import read_metrics
 from jaxgpt.optim import OptHParams, lr_schedule
-from jaxgpt.sweep import (group_members, load_sweep, members, run_sweep, stack_hparams, summarise,
-                          train_group, verdict)
+from jaxgpt.sweep import group_members, load_sweep, members, run_sweep, stack_hparams, train_group
+from jaxgpt.sweep_report import markdown_table, summarise, verdict
 from jaxgpt.data import prepare_data
 from jaxgpt.train import train
 
@@ -177,8 +177,37 @@ def test_summary_rows_gap_spread_and_baseline(base_file, tmp_path):
     assert rows["worse"]["mean"] == pytest.approx(1.71) and rows["worse"]["verdict"] == "worse"
 
 
+def test_a_reference_grid_stands_beside_ours_with_its_verdicts_by_the_same_rule(tmp_path):
+    # The reference's verdicts use its own baseline spread (0.05): "first" is better there too,
+    # "worse" is within its noise (0.03 < 0.05) where ours is worse, so the verdicts disagree.
+    text = 'seeds = 3\nreference = { name = "octlm", seeds = 3 }\n' + "".join(
+        f'[[variant]]\nname = "{name}"\nset = {json.dumps(overrides)}\n' + (
+            f"reference = {{ bpb = {bpb}, spread = {spread} }}\n" if bpb else "")
+        for name, overrides, bpb, spread in [("baseline", [], 2.90, 0.05), ("first", ["train.lr=1e-2"], 2.80, 0.01),
+                                              ("worse", ["train.lr=2e-2"], 2.93, 0.02), ("other", ["train.lr=3e-2"], None, None)])
+    sweep = load_sweep(write_sweep(tmp_path, text))
+    assert (sweep.reference, sweep.reference_seeds) == ("octlm", 3)
+    bpb = {"first": [1.50, 1.52, 1.51], "baseline": [1.60, 1.62, 1.61], "worse": [1.70, 1.71, 1.72], "other": [1.6] * 3}
+    records = [{"variant": name, "val_bits_per_byte": v, "parameters": 10} for name, vs in bpb.items() for v in vs]
+    rows = {row["variant"]: row for row in summarise(sweep, records)}
+    assert (rows["baseline"]["ref_verdict"], rows["baseline"]["agrees"]) == ("baseline", "–")
+    assert (rows["first"]["ref_mean"], rows["first"]["ref_verdict"], rows["first"]["agrees"]) == (2.80, "better", "yes")
+    assert (rows["worse"]["verdict"], rows["worse"]["ref_verdict"], rows["worse"]["agrees"]) == (
+        "worse", "within noise", "no")
+    assert "ref_mean" not in rows["other"]
+    table = markdown_table(list(rows.values()), sweep.reference).splitlines()
+    assert "octlm bits/byte | octlm spread | octlm verdict | verdicts agree |" in table[0]
+    assert table[3].endswith("| better | 2.8000 | 0.0100 | better | yes |") and table[5].endswith("| – | – | – | – |")
+
+
 @pytest.mark.parametrize("text,message", [
     ('seeds = 2\nvariants = []\n', "unknown key 'variants' (did you mean 'variant'?)"),
+    ('[[variant]]\nname = "a"\nreference = { bpb = 2.9, spread = 0.1 }\n', "a reference needs the sweep's own reference"),
+    ('reference = { name = "x" }\n[[variant]]\nname = "a"\n', "reference needs seeds"),
+    ('reference = { name = "x", seeds = 3 }\n[[variant]]\nname = "a"\nreference = { bpb = "2.9", spread = 0.1 }\n',
+     "reference bpb must be a finite number >= 0"),
+    ('reference = { name = "x", seeds = 3 }\n[[variant]]\nname = "a"\nreference = { bpb = 2.9, spred = 0.1 }\n',
+     "unknown key 'spred' (did you mean 'spread'?)"),
     ('[[variant]]\nname = "a"\nsett = []\n', "variant 'a': unknown key 'sett' (did you mean 'set'?)"),
     ('[[variant]]\nname = "a"\n[[variant]]\nname = "a"\n', "variant name 'a' is used twice"),
     ('[[variant]]\nname = "a"\n[[variant]]\nname = "b"\nset = ["model.norm=batchnorm"]\n',
