@@ -16,7 +16,8 @@ runs) and the profile under OUT/profile/.
    reference's tokens/s, and whether the step calls cuDNN's fused attention. Variants past
    `--budget-s` are skipped, and say so.
 3. Greedy decoding of 512 new tokens after a 16-token prompt at batch 1 and 64, with the params
-   as stored and with the matmul weights cast to bfloat16 once before the loop; then the same
+   as stored, with the matmul weights cast to bfloat16 once before the loop, and with the layers
+   unrolled (no loop over layers inside the token loop); then the same
    decoding in a second process whose XLA_FLAGS capture the whole token loop (`WHILE`,
    `CONDITIONAL`) in CUDA command buffers.
 4. A profile of three steps of the first variant (`jax.profiler`), summarised: the device's top
@@ -52,7 +53,7 @@ from jaxgpt.data import window_length  # noqa: E402
 from jaxgpt.generate import generate  # noqa: E402
 from jaxgpt.kernels import PORTABLE, Kernels, choose_kernels  # noqa: E402
 from jaxgpt.metrics import flops_per_token  # noqa: E402
-from jaxgpt.model import init_params  # noqa: E402
+from jaxgpt.model import init_params, unstack_blocks  # noqa: E402
 from jaxgpt.step import init_state, train_step  # noqa: E402
 
 CONFIG = ROOT / "experiments/gpt2_124m.toml"
@@ -171,10 +172,13 @@ def decode_records(base: list[str], batches: tuple[int, ...], new_tokens: int, l
     params = init_params(model, jax.random.key(0))
     rng = np.random.default_rng(0)
     records = []
-    for weights, p in (("as stored", params), ("bf16 matmul weights", bf16_matmul_weights(params))):
+    unrolled = dataclasses.replace(model, scan_layers=False)
+    ways = (("as stored", model, params), ("bf16 matmul weights", model, bf16_matmul_weights(params)),
+            ("layers unrolled", unrolled, unstack_blocks(params, model)))
+    prompts = {B: rng.integers(0, model.vocab_size, (B, 16)).tolist() for B in batches}
+    for weights, m, p in ways:
         for B in batches:
-            prompts = rng.integers(0, model.vocab_size, (B, 16)).tolist()
-            run = lambda: generate(p, model, prompts, new_tokens, temperature=0.0)
+            run = lambda: generate(p, m, prompts[B], new_tokens, temperature=0.0)
             start = time.perf_counter()
             first = run()
             first_s = time.perf_counter() - start
