@@ -135,6 +135,7 @@ class Decoder(nn.Module):
         if cfg.scan_layers:
             stack = nn.scan(block_cls, variable_axes={"params": 0}, split_rngs={"params": True, "dropout": True},
                             in_axes=(nn.broadcast, 0, nn.broadcast), length=cfg.n_layers,
+                            unroll=min(self.kernels.scan_unroll, cfg.n_layers),
                             )(cfg, self.kernels, self.deterministic, self.train, name="blocks")
             return stack(x_BTC, rope, kv, index)
         new_k, new_v = [], []

@@ -68,6 +68,7 @@ class Variant:
     overrides: tuple[str, ...] = ()
     plain_head: bool = False  # the head's logits, then the cross-entropy (the fused head-loss off)
     portable: bool = False  # the portable kernels: XLA's attention, the plain head
+    unroll: bool = False  # the scanned layer stack unrolled (`Kernels.scan_unroll`), params as they are
     options: tuple[tuple[str, Any], ...] = ()  # XLA options added to the kernels' own
 
 
@@ -75,7 +76,7 @@ class Variant:
 VARIANTS = (
     Variant("default"),
     Variant("plain head", plain_head=True),
-    Variant("unrolled layers", ("model.scan_layers=false",)),
+    Variant("layers unrolled", unroll=True),
     Variant("batch 64", ("train.batch_size=64",)),
     Variant("remat", ("model.remat=true",)),
     Variant("triton gemm off", options=(("xla_gpu_enable_triton_gemm", False),)),
@@ -105,6 +106,8 @@ def variant_kernels(cfg: RunConfig, variant: Variant) -> Kernels:
     kernels = PORTABLE if variant.portable else choose_kernels(cfg.model)
     if variant.plain_head:
         kernels = dataclasses.replace(kernels, head_loss=None)
+    if variant.unroll:
+        kernels = dataclasses.replace(kernels, scan_unroll=cfg.model.n_layers)
     return dataclasses.replace(kernels, compiler_options=kernels.compiler_options + variant.options)
 
 

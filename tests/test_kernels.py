@@ -146,3 +146,25 @@ def test_the_kernels_compiler_options_reach_the_compiled_steps():
         train(state, batch)
     with pytest.raises(Exception, match="xla_no_such_option"):
         evaluate(state.params, batch)
+
+
+def test_an_unrolled_layer_scan_computes_the_same_model_on_the_same_params():
+    from jaxgpt.model import forward_cached, init_cache
+
+    cfg = dataclasses.replace(BASE, n_layers=3)
+    unrolled = dataclasses.replace(PORTABLE, scan_unroll=8)  # more than the layers: no loop at all
+    params = init_params(cfg, jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, cfg.vocab_size)
+
+    def outputs(kernels):
+        loss = lambda p: forward(p, cfg, tokens, train=True, kernels=kernels).astype(jnp.float32).std()
+        cached, _ = forward_cached(params, cfg, tokens, init_cache(cfg, 2, 32), kernels=kernels)
+        return forward(params, cfg, tokens, kernels=kernels), jax.grad(loss)(params), cached
+
+    (want, want_grads, want_cached), (got, got_grads, got_cached) = jax.jit(
+        lambda: (outputs(PORTABLE), outputs(unrolled)))()
+    assert "while" not in jax.jit(lambda p: forward(p, cfg, tokens, kernels=unrolled)).lower(params).as_text()
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(got_cached, want_cached, rtol=0, atol=1e-5)
+    for got_leaf, want_leaf in zip(jax.tree_util.tree_leaves(got_grads), jax.tree_util.tree_leaves(want_grads)):
+        np.testing.assert_allclose(got_leaf, want_leaf, rtol=0, atol=1e-6)

@@ -34,6 +34,9 @@ class Kernels:
     # float32 scalar, `weight` the embedding [V, C] when tied, the head's kernel [C, V] otherwise.
     # None: the logits above, then the cross-entropy (all [B, T, V] logits in memory).
     head_loss: Callable[..., Any] | None = None
+    # Layers per iteration of the scanned block stack's loop (`lax.scan(unroll=...)`); the params
+    # keep their stacked layout whatever it is. The number of layers or more: no loop at all.
+    scan_unroll: int = 1
     # XLA options for the programs that run these kernels (`jax.jit(compiler_options=...)`): the
     # backend's measured defaults, as (name, value) pairs.
     compiler_options: tuple[tuple[str, Any], ...] = ()
