@@ -20,8 +20,8 @@ runs) and the profile under OUT/profile/.
    unrolled (no loop over layers inside the token loop); then the same
    decoding in a second process whose XLA_FLAGS capture the whole token loop (`WHILE`,
    `CONDITIONAL`) in CUDA command buffers.
-4. A profile of three steps of the first variant (`jax.profiler`), summarised: the device's top
-   kernels by time.
+4. A profile of three more steps of the first variant (`jax.profiler`), taken right after its
+   timing and summarised: the device's top kernels by time.
 """
 
 from __future__ import annotations
@@ -111,7 +111,9 @@ def variant_kernels(cfg: RunConfig, variant: Variant) -> Kernels:
     return dataclasses.replace(kernels, compiler_options=kernels.compiler_options + variant.options)
 
 
-def train_variant(base: list[str], variant: Variant, repeats: int, reference: dict | None) -> dict[str, Any]:
+def train_variant(base: list[str], variant: Variant, repeats: int, reference: dict | None,
+                  profile_dir: Path | None = None) -> list[dict[str, Any]]:
+    """The variant's record; with `profile_dir`, then a profile of three more of its steps."""
     cfg = load_config(CONFIG, [*base, *variant.overrides])
     kernels = variant_kernels(cfg, variant)
     state = init_state(cfg, jax.random.key(0))
@@ -146,7 +148,11 @@ def train_variant(base: list[str], variant: Variant, repeats: int, reference: di
     }
     if reference and reference.get("tokens_per_s"):
         record["vs_torch"] = tokens_per_s / reference["tokens_per_s"]
-    return record
+    if profile_dir is None:
+        return [record]
+    with jax.profiler.trace(str(profile_dir), create_perfetto_trace=True):
+        jax.block_until_ready([call() for _ in range(3)])
+    return [record, {**summarise_trace(profile_dir), "variant": variant.name, "steps": 3}]
 
 
 def torch_reference(args: argparse.Namespace) -> dict[str, Any]:
@@ -170,14 +176,17 @@ def bf16_matmul_weights(params: Any) -> Any:
     return jax.tree_util.tree_map_with_path(cast, params)
 
 
-def decode_records(base: list[str], batches: tuple[int, ...], new_tokens: int, label: str) -> list[dict[str, Any]]:
+def decode_records(base: list[str], batches: tuple[int, ...], new_tokens: int, label: str,
+                   every_way: bool = True) -> list[dict[str, Any]]:
+    """Greedy decoding's tokens/s at each batch size: the params as stored, and (`every_way`) with
+    bfloat16 matmul weights and with the layers unrolled. Every way decodes the same prompts."""
     model = load_config(CONFIG, base).model
     params = init_params(model, jax.random.key(0))
     rng = np.random.default_rng(0)
     records = []
     unrolled = dataclasses.replace(model, scan_layers=False)
     ways = (("as stored", model, params), ("bf16 matmul weights", model, bf16_matmul_weights(params)),
-            ("layers unrolled", unrolled, unstack_blocks(params, model)))
+            ("layers unrolled", unrolled, unstack_blocks(params, model)))[: 3 if every_way else 1]
     prompts = {B: rng.integers(0, model.vocab_size, (B, 16)).tolist() for B in batches}
     for weights, m, p in ways:
         for B in batches:
@@ -238,23 +247,6 @@ def summarise_trace(trace_dir: Path, top: int = 12) -> dict[str, Any]:
                      "share": total[name] / overall if overall else None} for name in ranked]}
 
 
-def profile(base: list[str], variant: Variant, out: Path) -> dict[str, Any]:
-    cfg = load_config(CONFIG, [*base, *variant.overrides])
-    kernels = variant_kernels(cfg, variant)
-    state = init_state(cfg, jax.random.key(0))
-    batch = jax.random.randint(jax.random.key(1), (cfg.train.batch_size, window_length(cfg.model)), 0,
-                               cfg.model.vocab_size)
-    step = jax.jit(lambda s, b: train_step(cfg, s, b, kernels=kernels), donate_argnums=0,
-                   compiler_options=kernels.jit_options())
-    state, metrics = step(state, batch)
-    jax.block_until_ready(metrics)
-    with jax.profiler.trace(str(out), create_perfetto_trace=True):
-        for _ in range(3):
-            state, metrics = step(state, batch)
-        jax.block_until_ready(metrics)
-    return {**summarise_trace(out), "variant": variant.name, "steps": 3}
-
-
 def _fmt(value: Any, digits: int = 1) -> str:
     if value is None:
         return ""
@@ -294,7 +286,7 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="a tiny model, for checking the script on a CPU")
     parser.add_argument("--variants", default=",".join(v.name for v in VARIANTS), help="comma-separated names")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--budget-s", type=float, default=330.0, help="no new train variant after this")
+    parser.add_argument("--budget-s", type=float, default=270.0, help="no new train variant after this")
     parser.add_argument("--torch-steps", type=int, default=20)
     parser.add_argument("--torch-timeout-s", type=float, default=150.0)
     parser.add_argument("--decode-timeout-s", type=float, default=90.0)
@@ -306,7 +298,7 @@ def main() -> None:
     new_tokens = min(args.new_tokens, 32) if args.smoke else args.new_tokens
     batches = (1, 4) if args.smoke else (1, 64)
     if args.decode_only:
-        for record in decode_records(base, batches, new_tokens, args.label):
+        for record in decode_records(base, batches, new_tokens, args.label, every_way=False):
             print(json.dumps(record), flush=True)
         return
 
@@ -327,17 +319,17 @@ def main() -> None:
     emit({"mode": "versions", **versions()})
     emit(reference)
     wanted = [v for v in VARIANTS if v.name in args.variants.split(",")]
-    for variant in wanted:
+    for number, variant in enumerate(wanted):
         if time.perf_counter() - started > args.budget_s:
             emit({"mode": "train", "variant": variant.name, "error": f"skipped: past --budget-s {args.budget_s:.0f}"})
             continue
-        emit(train_variant(base, variant, args.repeats, reference))
+        for record in train_variant(base, variant, args.repeats, reference, out / "profile" if number == 0 else None):
+            emit(record)
     for record in decode_records(base, batches, new_tokens, "default XLA flags"):
         emit(record)
     if jax.default_backend() == "gpu":
         for record in decode_with_flags(args, COMMAND_BUFFERS):
             emit(record)
-    emit(profile(base, wanted[0] if wanted else VARIANTS[0], out / "profile"))
     sink.close()
     print(f"\n{versions()['device_kind']}, jax {versions()['jax']}, {time.perf_counter() - started:.0f} s\n")
     print(table(records))

@@ -167,11 +167,12 @@ def test_attention_bench_times_each_jax_implementation() -> None:
     assert _finite_positive(*results.values())
 
 
-def test_gpu_bench_times_a_variant_with_its_kernels_and_options() -> None:
+def test_gpu_bench_times_a_variant_with_its_kernels_and_options_then_profiles_it(tmp_path) -> None:
     gpu_bench = _script("gpu_bench")
     variant = gpu_bench.Variant("plain head, no fusion", plain_head=True,
                                 options=(("xla_backend_optimization_level", 0),))
-    record = gpu_bench.train_variant(gpu_bench.SMOKE, variant, 1, {"tokens_per_s": 1000.0})
+    record, profile = gpu_bench.train_variant(gpu_bench.SMOKE, variant, 1, {"tokens_per_s": 1000.0}, tmp_path)
+    assert profile["mode"] == "profile" and profile["source"] == "host" and profile["top"]  # a CPU: no device
     assert record["variant"] == "plain head, no fusion" and record["head_loss"] == "plain"
     assert record["options"] == {"xla_backend_optimization_level": 0}
     assert record["batch"] == 4 and record["context"] == 64 and math.isfinite(record["loss"])
