@@ -73,7 +73,7 @@ class Decoder(nn.Module):
     @nn.compact
     def __call__(
         self, token_ids_BT: jax.Array, cache: Cache | None = None, all_depths: bool = False, fresh: bool = False,
-        head_inputs: bool = False,
+        stop_before_head: bool = False,
     ) -> tuple[jax.Array, Cache | None]:
         cfg, kernels = self.cfg, self.kernels
         B, T = token_ids_BT.shape
@@ -106,7 +106,7 @@ class Decoder(nn.Module):
         x_BTC, kv = self._blocks(x_BTC, rope, kv, index)
 
         hidden_BTC = make_norm(cfg, kernels, "final_norm")(x_BTC)
-        if head_inputs:  # what the head reads at each depth, for a loss that runs the head itself
+        if stop_before_head:  # what the head reads at each depth, for a loss that runs the head itself
             adapters = [MTPAdapter(cfg, kernels, self.deterministic, name=f"mtp_{d}") for d in range(cfg.mtp_depth)]
             return jnp.stack([hidden_BTC, *(a(hidden_BTC) for a in adapters)]), None
         if cfg.tie_embeddings:
@@ -212,7 +212,7 @@ def _apply(params, cfg, token_ids, *, all_depths, train, rng, kernels, head=True
         raise ValueError("forward(train=True) with model.dropout > 0 needs an `rng` for dropout")
     rngs = {"dropout": rng} if dropout_active else {}
     out, _ = Decoder(cfg, kernels, deterministic=not dropout_active, train=train).apply(
-        {"params": params}, token_ids, all_depths=all_depths, head_inputs=not head, rngs=rngs
+        {"params": params}, token_ids, all_depths=all_depths, stop_before_head=not head, rngs=rngs
     )
     return out
 

@@ -44,7 +44,9 @@ def depth_losses(params: Params, model: ModelConfig, window_BW: jax.Array, *, tr
                  rng: jax.Array | None = None, kernels: Kernels | None = None) -> jax.Array:
     """Mean cross-entropy (float32) of each prediction depth: [1 + mtp_depth].
 
-    `kernels`: by default the ones `jaxgpt.kernels` chooses for the model on this backend.
+    `kernels`: by default the ones `jaxgpt.kernels` chooses for the model on this backend. Kernels
+    with a fused head and loss (`Kernels.head_loss`) take the hidden states instead of the logits,
+    so the [B, T, V] logits are never all in memory.
     """
     T = model.context_length
     kernels = kernels or choose_kernels(model)
