@@ -41,8 +41,9 @@ def _chunked(x_BT: jax.Array, n: int) -> jax.Array:
     return jnp.moveaxis(x, 1, 0).reshape(n, B * (T // n), *x_BT.shape[2:])
 
 
-def _logits(h_NC: jax.Array, weight: jax.Array, tied: bool, dtype: Any) -> jax.Array:
-    return jnp.einsum("nc,vc->nv" if tied else "nc,cv->nv", h_NC.astype(dtype), weight.astype(dtype),
+def _logits(h_NC: jax.Array, w: jax.Array, tied: bool) -> jax.Array:
+    """Float32 logits of a matmul in `w`'s dtype (the compute dtype: cast once, outside the loop)."""
+    return jnp.einsum("nc,vc->nv" if tied else "nc,cv->nv", h_NC.astype(w.dtype), w,
                       preferred_element_type=jnp.float32)
 
 
@@ -55,10 +56,11 @@ def _chunk_loss(logits_NV: jax.Array, targets_N: jax.Array) -> tuple[jax.Array, 
 def _loss(h_BTC, weight, targets_BT, tied, dtype, logits_budget):
     B, T, _ = h_BTC.shape
     n = chunk_count(B, T, weight.shape[0 if tied else 1], logits_budget)
+    w = weight.astype(dtype)
 
     def chunk(total, inputs):
         h_NC, targets_N = inputs
-        return total + _chunk_loss(_logits(h_NC, weight, tied, dtype), targets_N)[0], None
+        return total + _chunk_loss(_logits(h_NC, w, tied), targets_N)[0], None
 
     total, _ = jax.lax.scan(chunk, jnp.zeros((), jnp.float32), (_chunked(h_BTC, n), _chunked(targets_BT, n)))
     return total / (B * T)
@@ -73,7 +75,7 @@ def _loss_and_grads(h_BTC, weight, targets_BT, tied, dtype, logits_budget):
     def chunk(carry, inputs):
         total, dweight = carry
         h_NC, targets_N = inputs
-        logits_NV = _logits(h_NC, weight, tied, dtype)
+        logits_NV = _logits(h_NC, w, tied)
         loss, lse_N = _chunk_loss(logits_NV, targets_N)
         dlogits_NV = jnp.exp(logits_NV - lse_N[:, None]) - jax.nn.one_hot(targets_N, V, dtype=jnp.float32)
         dlogits_NV = (dlogits_NV / (B * T)).astype(dtype)
