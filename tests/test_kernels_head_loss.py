@@ -15,7 +15,7 @@ from jaxgpt.kernels.head_loss import chunk_count, mean_head_loss
 from jaxgpt.model import init_params
 from jaxgpt.step import depth_losses, init_state, train_step, training_loss
 
-BASE = ModelConfig(vocab_size=96, context_length=16, d_model=32, n_layers=2, n_heads=4, hidden_size=48)
+BASE = ModelConfig(vocab_size=96, context_length=16, d_model=32, n_layers=1, n_heads=4, hidden_size=48)
 # 4 chunks of the batch's 2 x 16 x 96 logits: every test below crosses chunk boundaries.
 FUSED = dataclasses.replace(PORTABLE, name="fused", head_loss=functools.partial(mean_head_loss, logits_budget=768))
 
@@ -28,11 +28,11 @@ def test_chunks_divide_the_context_and_fit_the_budget():
     assert chunk_count(32, 1024, 50304, 2**27) == 16  # GPT-2 at batch 32: 412 MB of logits a chunk
 
 
-@pytest.mark.parametrize("overrides", [{}, {"tie_embeddings": False}, {"mtp_depth": 2},
-                                       {"tie_embeddings": False, "mtp_depth": 1, "position": "rope"}],
-                         ids=["tied", "untied", "tied-mtp2", "untied-mtp1"])
+@pytest.mark.parametrize("overrides", [{"mtp_depth": 2}, {"tie_embeddings": False, "mtp_depth": 1, "position": "rope"}],
+                         ids=["tied-mtp2", "untied-mtp1"])
 def test_fused_head_loss_equals_the_plain_head_and_cross_entropy(overrides):
-    # float32: every depth's loss and the gradient of the training loss within 1e-5.
+    # float32: every depth's loss and the gradient of the training loss within 1e-5, tied and
+    # untied, each with MTP depths (whose losses are weighted apart from the next-token one).
     cfg = dataclasses.replace(BASE, **overrides)
     params = init_params(cfg, jax.random.key(0))
     window = jax.random.randint(jax.random.key(1), (2, cfg.context_length + 1 + cfg.mtp_depth), 0, cfg.vocab_size)
