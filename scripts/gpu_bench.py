@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import gzip
 import importlib.metadata
 import json
@@ -77,10 +78,10 @@ VARIANTS = (
     Variant("default"),
     Variant("plain head", plain_head=True),
     Variant("layers unrolled", unroll=True),
-    Variant("batch 64", ("train.batch_size=64",)),
-    Variant("remat", ("model.remat=true",)),
     Variant("triton gemm off", options=(("xla_gpu_enable_triton_gemm", False),)),
+    Variant("batch 64", ("train.batch_size=64",)),
     Variant("latency-hiding scheduler", options=(("xla_gpu_enable_latency_hiding_scheduler", True),)),
+    Variant("remat", ("model.remat=true",)),
     Variant("portable kernels", portable=True),
     Variant("float32", ("model.dtype=float32",)),
 )
@@ -260,7 +261,7 @@ def table(records: list[dict[str, Any]]) -> str:
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in records:
         if r.get("mode") == "train":
-            name = r["variant"] if r.get("framework") == "jaxgpt" else f"{r['variant']} ({r.get('framework')})"
+            name = r["variant"] if r.get("framework") in (None, "jaxgpt") else f"{r['variant']} ({r['framework']})"
             temp = r.get("temp_bytes") or r.get("peak_bytes")
             lines.append(f"| {name} | {_fmt(r.get('batch'))} | {_fmt(r.get('step_ms'))} | "
                          f"{_fmt(r.get('tokens_per_s'), 0)} | "
@@ -286,7 +287,7 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="a tiny model, for checking the script on a CPU")
     parser.add_argument("--variants", default=",".join(v.name for v in VARIANTS), help="comma-separated names")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--budget-s", type=float, default=270.0, help="no new train variant after this")
+    parser.add_argument("--budget-s", type=float, default=300.0, help="no new train variant after this")
     parser.add_argument("--torch-steps", type=int, default=20)
     parser.add_argument("--torch-timeout-s", type=float, default=150.0)
     parser.add_argument("--decode-timeout-s", type=float, default=90.0)
@@ -323,10 +324,17 @@ def main() -> None:
         if time.perf_counter() - started > args.budget_s:
             emit({"mode": "train", "variant": variant.name, "error": f"skipped: past --budget-s {args.budget_s:.0f}"})
             continue
-        for record in train_variant(base, variant, args.repeats, reference, out / "profile" if number == 0 else None):
+        try:
+            for record in train_variant(base, variant, args.repeats, reference, out / "profile" if number == 0 else None):
+                emit(record)
+        except Exception as error:  # one failing variant (out of memory, say) must not end the run
+            emit({"mode": "train", "variant": variant.name, "error": f"{type(error).__name__}: {str(error)[:300]}"})
+        gc.collect()  # the variant's state and program go before the next one's
+    try:
+        for record in decode_records(base, batches, new_tokens, "default XLA flags"):
             emit(record)
-    for record in decode_records(base, batches, new_tokens, "default XLA flags"):
-        emit(record)
+    except Exception as error:
+        emit({"mode": "decode", "variant": "default XLA flags", "error": f"{type(error).__name__}: {str(error)[:300]}"})
     if jax.default_backend() == "gpu":
         for record in decode_with_flags(args, COMMAND_BUFFERS):
             emit(record)
