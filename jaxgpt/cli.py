@@ -169,10 +169,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
+    from jaxgpt.config import ConfigError
     from jaxgpt.sweep import load_sweep, run_sweep
     from jaxgpt.sweep_report import markdown_table, summarise
 
-    sweep = load_sweep(args.sweep, seeds=args.seeds)
+    only = tuple(name.strip() for name in args.variants.split(",")) if args.variants else None
+    if (args.overrides or only) and not args.out:
+        # A rerun drops the records of members the sweep no longer has: the file's own grid is kept
+        # out of reach of a changed or partial one.
+        raise ConfigError("with --set or --variants, name an --out folder (runs/sweep-NAME holds the file's "
+                          "whole grid)")
+    sweep = load_sweep(args.sweep, seeds=args.seeds, overrides=tuple(args.overrides), only=only)
     out = Path(args.out or f"runs/sweep-{sweep.name}")
     records = run_sweep(sweep, out, progress=not args.no_progress)
     print(markdown_table(summarise(sweep, records), sweep.reference), end="")
@@ -316,6 +323,9 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("sweep", help="a sweep TOML file (format: jaxgpt/sweep.py)")
     sw.add_argument("--seeds", type=int, default=None, help="seeds per variant (default: the file's seeds, else 1)")
     sw.add_argument("--out", default=None, help="output folder (default: runs/sweep-NAME, NAME the file's stem)")
+    sw.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="override one config key of every variant, after the file's set; repeatable")
+    sw.add_argument("--variants", metavar="A,B,...", help="train only these variants (the baseline among them)")
     sw.add_argument("--no-progress", action="store_true", help="no progress bars")
     sw.set_defaults(func=cmd_sweep)
 

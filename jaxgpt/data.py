@@ -125,7 +125,8 @@ def _split_by_path(named: list[tuple[str, str]], val_fraction: float, label: str
     return _make_corpus(train, val, description)
 
 
-def _stdlib_corpus(val_fraction: float) -> Corpus:
+def stdlib_files() -> list[tuple[str, str]]:
+    """The default corpus's files: (path relative to the stdlib, text) of its .py files, sorted."""
     root = Path(sysconfig.get_paths()["stdlib"])
     named = []
     for dirpath, dirnames, filenames in os.walk(root):
@@ -137,9 +138,12 @@ def _stdlib_corpus(val_fraction: float) -> Corpus:
                     named.append((path.relative_to(root).as_posix(), path.read_bytes().decode("utf-8")))
                 except UnicodeDecodeError:
                     continue  # a deliberately mis-encoded file is not worth failing the default run
-    named.sort()
+    return sorted(named)
+
+
+def _stdlib_corpus(val_fraction: float) -> Corpus:
     version = ".".join(map(str, sys.version_info[:3]))
-    return _split_by_path(named, val_fraction, f"Python {version} standard library")
+    return _split_by_path(stdlib_files(), val_fraction, f"Python {version} standard library")
 
 
 def _hf_corpus(source: str, val_fraction: float) -> Corpus:

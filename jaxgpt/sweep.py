@@ -1,6 +1,7 @@
 """Sweeps: variants × seeds, vmapped where only seeds or optimiser values differ.
 
     jaxgpt sweep experiments/day2.toml [--seeds N] [--out DIR]
+    jaxgpt sweep experiments/day2.toml --set data.source=DIR --variants baseline,swiglu --out DIR2
 
 A sweep file is TOML:
 
@@ -137,8 +138,13 @@ def _variant_reference(where: str, value: Any) -> tuple[float, float]:
     return float(table["bpb"]), float(table["spread"])
 
 
-def load_sweep(path: str | Path, seeds: int | None = None) -> Sweep:
-    """Read and validate a sweep file; every variant's config is resolved (and so checked) here."""
+def load_sweep(path: str | Path, seeds: int | None = None, overrides: tuple[str, ...] = (),
+               only: tuple[str, ...] | None = None) -> Sweep:
+    """Read and validate a sweep file; every variant's config is resolved (and so checked) here.
+
+    `overrides` apply to every variant after the file's `set` (the command line's `--set`); `only`
+    keeps those variants, which must name the baseline (gaps and verdicts are against it).
+    """
     path = Path(path)
     raw = read_toml(path, "sweep file")
     _check_keys(str(path), raw, SWEEP_KEYS)
@@ -152,7 +158,7 @@ def load_sweep(path: str | Path, seeds: int | None = None) -> Sweep:
     seeds = raw.get("seeds", 1) if seeds is None else seeds
     if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
         raise ConfigError(f"{path}: seeds must be an integer >= 1, got {seeds!r}")
-    common = _overrides(f"{path}: set", raw.get("set", []))
+    common = _overrides(f"{path}: set", raw.get("set", [])) + tuple(overrides)
     try:
         load_config(base, common)
     except ConfigError as err:
@@ -191,6 +197,15 @@ def load_sweep(path: str | Path, seeds: int | None = None) -> Sweep:
         variants.append(Variant(name, overrides, config, figures))
     names = [v.name for v in variants]
     baseline = BASELINE if BASELINE in names else names[0]
+    if only is not None:
+        unknown = [name for name in only if name not in names]
+        if unknown:
+            raise ConfigError(f"{path}: no variant named {', '.join(map(repr, unknown))}; "
+                              f"the variants are {', '.join(names)}")
+        if baseline not in only:
+            raise ConfigError(f"{path}: the variants chosen must include the baseline {baseline!r} "
+                              "(gaps and verdicts are against it)")
+        variants = [v for v in variants if v.name in only]
     return Sweep(path.stem, None if base is None else str(base), common, seeds, tuple(variants), baseline,
                  reference, reference_seeds)
 

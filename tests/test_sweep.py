@@ -228,3 +228,24 @@ def test_bad_sweep_files_are_clear_errors(text, message, tmp_path, capsys):
     assert main(["sweep", str(path), "--out", str(tmp_path / "out")]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_command_line_overrides_and_a_subset_of_variants(base_file, tmp_path, capsys):
+    path = write_sweep(tmp_path, sweep_text(base_file, 2, ("baseline", []), ("rms", ["model.norm=rmsnorm"]),
+                                            ("wide", ["model.d_model=64"])))
+    sweep = load_sweep(path, overrides=("model.d_model=48", "train.steps=4"), only=("rms", "baseline"))
+    # The file's order, its variant's own set after the command line's (so "wide" would keep 64).
+    assert [v.name for v in sweep.variants] == ["baseline", "rms"]
+    assert all(v.config.model.d_model == 48 and v.config.train.steps == 4 for v in sweep.variants)
+    assert sweep.variants[1].config.model.norm == "rmsnorm"
+    assert load_sweep(path, overrides=("model.d_model=48",)).variants[2].config.model.d_model == 64
+    for only, message in ((("rms",), "must include the baseline 'baseline'"),
+                          (("baseline", "nope"), "no variant named 'nope'; the variants are baseline, rms, wide")):
+        with pytest.raises(ConfigError, match=message):
+            load_sweep(path, only=only)
+    with pytest.raises(ConfigError, match="train.stepz"):
+        load_sweep(path, overrides=("train.stepz=4",))
+    # Without --out, a changed or partial grid would rewrite (and drop records of) the file's own folder.
+    for flags in (["--set", "train.steps=4"], ["--variants", "baseline,rms"]):
+        assert main(["sweep", str(path), *flags]) == 2
+        assert "name an --out folder" in capsys.readouterr().err
