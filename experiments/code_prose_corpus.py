@@ -58,14 +58,16 @@ def write_corpus(code: list[tuple[str, str]], prose: str, out: str | Path, *, co
         raise FileExistsError(f"{out} is not empty: choose a new folder (its files would join the corpus)")
     if any(name.split("/")[0] == "prose" for name, _ in code):
         raise ValueError("a code file's path starts with prose/, where the prose goes")
-    code = [(name, text) for name, text in code if text]
-    held_out = [(name, text) for name, text in code if in_val_split(name, val_fraction)]
+    held_out, trainable = [], []
+    for name, text in code:
+        if text:
+            (held_out if in_val_split(name, val_fraction) else trainable).append((name, text))
     if not held_out:
         raise ValueError(f"none of the {len(code)} code files is held out at val_fraction {val_fraction}")
     prose_bytes = len(prose.encode("utf-8"))
     wanted = prose_bytes * code_share / (1.0 - code_share)
     train_code, code_bytes = [], 0
-    for name, text in sorted((c for c in code if not in_val_split(c[0], val_fraction)), key=lambda c: _spread(c[0])):
+    for name, text in sorted(trainable, key=lambda c: _spread(c[0])):
         if code_bytes >= wanted:
             break
         train_code.append((name, text))

@@ -183,9 +183,9 @@ def load_sweep(path: str | Path, seeds: int | None = None, overrides: tuple[str,
             raise ConfigError(f"{where}: needs a name (a non-empty string)")
         if any(v.name == name for v in variants):
             raise ConfigError(f"{path}: variant name {name!r} is used twice")
-        overrides = _overrides(where, table.get("set", []))
+        own = _overrides(where, table.get("set", []))
         try:
-            config = load_config(base, common + overrides)
+            config = load_config(base, common + own)
         except ConfigError as err:
             raise ConfigError(f"{where}: {err}") from None
         figures = None
@@ -194,7 +194,7 @@ def load_sweep(path: str | Path, seeds: int | None = None, overrides: tuple[str,
                 raise ConfigError(f"{where}: a reference needs the sweep's own reference = "
                                   "{ name = ..., seeds = ... } (whose grid the figures come from)")
             figures = _variant_reference(where, table["reference"])
-        variants.append(Variant(name, overrides, config, figures))
+        variants.append(Variant(name, own, config, figures))
     names = [v.name for v in variants]
     baseline = BASELINE if BASELINE in names else names[0]
     if only is not None:

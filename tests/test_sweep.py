@@ -230,7 +230,7 @@ def test_bad_sweep_files_are_clear_errors(text, message, tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
-def test_command_line_overrides_and_a_subset_of_variants(base_file, tmp_path, capsys):
+def test_command_line_overrides_and_a_subset_of_variants(base_file, tmp_path, capsys, monkeypatch):
     path = write_sweep(tmp_path, sweep_text(base_file, 2, ("baseline", []), ("rms", ["model.norm=rmsnorm"]),
                                             ("wide", ["model.d_model=64"])))
     sweep = load_sweep(path, overrides=("model.d_model=48", "train.steps=4"), only=("rms", "baseline"))
@@ -249,3 +249,16 @@ def test_command_line_overrides_and_a_subset_of_variants(base_file, tmp_path, ca
     for flags in (["--set", "train.steps=4"], ["--variants", "baseline,rms"]):
         assert main(["sweep", str(path), *flags]) == 2
         assert "name an --out folder" in capsys.readouterr().err
+    # With --out, the command line's flags reach the sweep it runs.
+    ran = []
+
+    def capture(sweep, out, **_):
+        ran.append((sweep, out))
+        raise ValueError("stop before training")
+
+    monkeypatch.setattr(sweep_module, "run_sweep", capture)
+    assert main(["sweep", str(path), "--set", "model.d_model=48", "--variants", "baseline, rms",
+                 "--out", str(tmp_path / "o")]) == 2
+    (sweep, out), = ran
+    assert [v.name for v in sweep.variants] == ["baseline", "rms"] and out == tmp_path / "o"
+    assert all(v.config.model.d_model == 48 for v in sweep.variants)
