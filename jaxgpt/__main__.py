@@ -1,3 +1,7 @@
-from jaxgpt.cli import entry
+from jaxgpt import signals
+
+signals.hold()  # before the imports below: a signal that comes while they run is kept (see signals.py)
+
+from jaxgpt.cli import entry  # noqa: E402
 
 raise SystemExit(entry())

@@ -56,7 +56,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     # Before anything else touches the devices, and before our handlers: joining a job installs
     # JAX's own SIGTERM notifier, which would otherwise take SIGTERM from them.
     maybe_initialize_distributed()
-    with signals.handled():  # a signal during the imports and start-up below is kept for later
+    with signals.handled():  # records a signal held since the first instruction, and any later one
+        signals.check()  # one that came during the imports stops the run before any work
         return _train(args)
 
 
@@ -254,6 +255,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train, evaluate and sample small GPT-style language models with JAX.",
         epilog="`jaxgpt COMMAND --help` lists the options of a command.")
     sub = parser.add_subparsers(title="commands", metavar="COMMAND", dest="command", required=True)
+    # Commands that take SIGINT and SIGTERM over from `signals.hold()` themselves; main releases
+    # them for the others.
+    parser.set_defaults(handles_signals=False)
 
     dry = _command(sub, "dry-run", "check a config: parameters, logits shape, device memory")
     _add_config_args(dry)
@@ -276,7 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="fine-tune from a Hugging Face GPT-2 or Llama checkpoint: a local directory, or a "
                          "hub name (downloaded; needs network). Its config.json sets [model] and its "
                          "tokenizer.json the tokenizer, under --config and --set")
-    tr.set_defaults(func=cmd_train)
+    tr.set_defaults(func=cmd_train, handles_signals=True)
 
     ev = _command(sub, "eval", "validation loss, perplexity and bits per byte of a run")
     ev.add_argument("--run", required=True, help="a run directory")
@@ -349,7 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="show every process's output, prefixed [N] (default: process 0's, and the others' "
                          "last lines when they fail)")
     la.add_argument("command", nargs=argparse.REMAINDER, help="-- then the jaxgpt command and its arguments")
-    la.set_defaults(func=cmd_launch)
+    la.set_defaults(func=cmd_launch, handles_signals=True)
     return parser
 
 
@@ -378,6 +382,9 @@ def hugepage_malloc_env(environ: Mapping[str, str]) -> dict[str, str] | None:
 
 def entry() -> int:
     """The console command: `main` in a process whose malloc uses huge pages (see above)."""
+    from jaxgpt import signals
+
+    signals.hold()  # the re-exec keeps the block and any signal pending under it
     env = hugepage_malloc_env(os.environ)
     if env is not None:
         os.execve(sys.executable, [sys.executable, "-m", "jaxgpt", *sys.argv[1:]], env)
@@ -388,6 +395,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     func: Callable[[argparse.Namespace], int] = args.func
     try:
+        if not args.handles_signals:
+            from jaxgpt import signals
+
+            signals.release()  # Python's own handling from here: Ctrl-C is a KeyboardInterrupt
         return func(args)
     except EXPECTED_ERRORS as err:
         message = str(err).splitlines()[0] if str(err) else type(err).__name__

@@ -24,6 +24,7 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
+from jaxgpt import signals
 from jaxgpt.config import ModelConfig, RunConfig
 from jaxgpt.rundir import RunDir, write_atomic
 from jaxgpt.tokenizer import BPE, CHAR, Tokenizer, build_tokenizer
@@ -352,6 +353,7 @@ def prepare_data(cfg: RunConfig, run_dir: str | Path) -> RunData:
         tokenizer = Tokenizer.load(saved, kind=cfg.data.tokenizer)
     else:
         tokenizer = cached_tokenizer(cfg.data.tokenizer, corpus, cfg.model.vocab_size)
+    signals.check()  # before the token files: a stop asked for during the tokenizer build ends here
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens, more than "
                          f"model.vocab_size = {cfg.model.vocab_size}")

@@ -26,6 +26,8 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import IO
 
+from jaxgpt import signals
+
 MULTI_PROCESS_COMMANDS = ("train",)
 KEPT_LINES = 20  # of a process other than 0, shown when it fails
 EXIT_GRACE_S = 30.0  # how long the others may take to end by themselves after one exits with an error
@@ -126,6 +128,7 @@ def launch(command: Sequence[str], n: int, devices_per_process: int | None = Non
                 proc.send_signal(signum)
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    signals.release()  # one held since start-up (`jaxgpt launch` holds them) is forwarded now
     try:
         _watch(procs, forwarded)
     finally:

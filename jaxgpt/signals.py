@@ -13,6 +13,13 @@ stop always happens between two complete writes.
         for step in ...:
             ...
             if stop.received: break
+
+A signal can also come before any handler of ours exists: while Python starts and imports JAX, or
+while the command re-executes itself (`cli.entry`). A process started in the background by a
+non-interactive shell even begins with SIGINT ignored. So the command's first instruction is
+`hold()`, which blocks both signals: one that comes then stays pending (across `exec` too) until
+`handled()` installs the recording handlers and unblocks it, or `release()` lets it act as it
+would have.
 """
 
 from __future__ import annotations
@@ -44,6 +51,20 @@ class StopRequest:
 
 
 _state = StopRequest()
+_CAN_BLOCK = hasattr(signal, "pthread_sigmask")  # POSIX; elsewhere signals act at once, as before
+
+
+def hold() -> None:
+    """Block SIGINT and SIGTERM in this thread, and in the threads and processes it starts from now
+    on, until `handled()` or `release()`; one that comes meanwhile waits, it is not lost."""
+    if _CAN_BLOCK:
+        signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
+
+
+def release() -> None:
+    """Unblock what `hold()` blocked: a pending signal acts now, under the handlers in place."""
+    if _CAN_BLOCK:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
 
 
 def _handle(signum: int, frame: Any) -> None:
@@ -54,14 +75,15 @@ def _handle(signum: int, frame: Any) -> None:
 
 @contextmanager
 def handled() -> Iterator[StopRequest]:
-    """Record SIGINT and SIGTERM instead of acting on them, inside this block. Nested blocks share
-    the outer one's record; off the main thread (where Python cannot install handlers) it records
-    nothing and the process keeps its handlers."""
+    """Record SIGINT and SIGTERM instead of acting on them, inside this block, including one held
+    back by `hold()` before it. Nested blocks share the outer one's record; off the main thread
+    (where Python cannot install handlers) it records nothing and the process keeps its handlers."""
     if _state.active or threading.current_thread() is not threading.main_thread():
         yield _state
         return
     previous = {signum: signal.signal(signum, _handle) for signum in SIGNALS}
     _state.received, _state.active = None, True
+    release()  # a signal held since start-up is recorded now
     try:
         yield _state
     finally:

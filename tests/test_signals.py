@@ -29,13 +29,17 @@ def write_corpus(path: Path) -> Path:
     return path
 
 
-def start(tmp_path: Path) -> tuple[subprocess.Popen, Path, Path]:
-    """`jaxgpt train` with a fresh cache, so it builds its tokenizer and token files and compiles."""
+def start(tmp_path: Path, data: str | None = None, *, sigint_ignored: bool = False
+          ) -> tuple[subprocess.Popen, Path, Path]:
+    """`jaxgpt train` with a fresh cache, so it builds its tokenizer and token files and compiles.
+    `sigint_ignored` starts it as a non-interactive shell starts a background job (`cmd &`)."""
     corpus, run, cache = write_corpus(tmp_path / "corpus.txt"), tmp_path / "run", tmp_path / "cache"
     env = {**os.environ, "JAXGPT_CACHE": str(cache), "XLA_FLAGS": xla_flags(1)}
-    args = [sys.executable, "-m", "jaxgpt", "train", "--no-progress", "--data", str(corpus), "--out", str(run)]
+    args = [sys.executable, "-m", "jaxgpt", "train", "--no-progress", "--data", data or str(corpus), "--out", str(run)]
     args += [a for o in TINY for a in ("--set", o)]
-    process = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint_ignored else None
+    process = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                               preexec_fn=ignore)
     return process, run, cache
 
 
@@ -59,17 +63,54 @@ def half_written(*folders: Path) -> list[str]:
     return [str(p) for folder in folders if folder.exists() for p in folder.rglob("*") if "tmp" in p.name]
 
 
-@pytest.mark.parametrize("moment", ["tokenizer", "compile"])
+def holds_signals(pid: int) -> bool:
+    """Whether the process has run jaxgpt's first instruction, `signals.hold()` (Linux's view of
+    its main thread's blocked signals)."""
+    blocked = next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                   if line.startswith("SigBlk:"))
+    return bool(int(blocked.split()[1], 16) & (1 << (signal.SIGINT - 1)))
+
+
+def read_until(process: subprocess.Popen, text: str) -> None:
+    """Read stderr up to the first line that holds `text` (the process goes on writing the rest)."""
+    lines = []
+    for line in process.stderr:
+        lines.append(line)
+        if text in line:
+            return
+    raise AssertionError(f"{text!r} never came: {lines}, {process.communicate()}")
+
+
+# Moments of the start-up, each with the signal sent then. The imports take seconds (JAX's
+# alone more than one), so a second after the start is inside them; the tokenizer build is told
+# by its stage line, which a corpus of the standard library's size prints.
+START_UP = {
+    "first instruction": dict(signum=signal.SIGINT, after_hold=True),
+    "imports": dict(signum=signal.SIGINT, delay=1.0),
+    "imports, SIGTERM": dict(signum=signal.SIGTERM, delay=1.0),
+    "imports, started as a background job": dict(signum=signal.SIGINT, delay=1.0, sigint_ignored=True),
+    "tokenizer build": dict(signum=signal.SIGINT, data="stdlib", after="building the bpe tokenizer"),
+    "compile": dict(signum=signal.SIGINT),  # while the init compiles: the token files are written
+}
+
+
+@pytest.mark.parametrize("moment", START_UP)
 def test_a_signal_during_start_up_stops_before_anything_is_written(moment, tmp_path):
-    process, run, cache = start(tmp_path)
-    if moment == "tokenizer":  # while the tokenizer is being trained or saved
-        wait_for(lambda: (cache / "tokenizers").is_dir(), process)
-    else:  # while the model's init compiles: Python's own handler loses this one or dies on exit
+    how = START_UP[moment]
+    process, run, cache = start(tmp_path, how.get("data"), sigint_ignored=how.get("sigint_ignored", False))
+    if "after" in how:
+        read_until(process, how["after"])  # the stage line itself
+    elif how.get("after_hold"):
+        wait_for(lambda: holds_signals(process.pid), process)
+    elif "delay" in how:
+        time.sleep(how["delay"])
+    else:
         wait_for(lambda: token_files_written(cache), process)
-    process.send_signal(signal.SIGINT)
+    process.send_signal(how["signum"])
     _, err = process.communicate(timeout=300)
-    assert process.returncode == 130, err
-    assert err.splitlines() == ["jaxgpt train: stopped by SIGINT before the first step"]
+    name = signal.Signals(how["signum"]).name
+    assert process.returncode == 128 + how["signum"], err
+    assert err.splitlines() == [f"jaxgpt train: stopped by {name} before the first step"]
     assert not run.exists()
     assert not half_written(cache)
 
