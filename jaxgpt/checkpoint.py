@@ -15,8 +15,12 @@ warning and never delete, rename or create anything, so a run being trained is s
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import sys
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +73,57 @@ def _handlers() -> dict[str, Any]:
             "manifest": ocp.JsonCheckpointHandler()}
 
 
+class _ClosingLoop(asyncio.SelectorEventLoop):
+    """An event loop that, when closed, first runs the tasks still pending on it to their end.
+
+    Orbax runs a restore's reads as tasks on a fresh loop and closes the loop as soon as one read
+    fails; the others are still in flight in tensorstore, and each one's completion then reaches
+    the closed loop and prints a traceback ("Event loop is closed"). Cancelling them does not stop
+    tensorstore's reads; letting them end (their results dropped) does, while the loop still runs."""
+
+    def close(self) -> None:
+        while not self.is_closed() and not self.is_running():
+            pending = [task for task in asyncio.all_tasks(self) if not task.done()]
+            if not pending:
+                break
+            self.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        super().close()
+
+    def call_soon_threadsafe(self, callback, *args, context=None):  # type: ignore[override]
+        """A result for a closed loop is dropped, as asyncio drops those of its own futures."""
+        if self.is_closed():
+            return None
+        return super().call_soon_threadsafe(callback, *args, context=context)
+
+
+class _ClosingLoopPolicy(asyncio.DefaultEventLoopPolicy):
+    def new_event_loop(self) -> asyncio.AbstractEventLoop:
+        return _ClosingLoop()
+
+
+@contextmanager
+def _loops_that_finish_their_tasks() -> Iterator[None]:
+    """Inside: the event loops Orbax makes for a restore are `_ClosingLoop`s."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # the policy API, from Python 3.14
+        previous = asyncio.get_event_loop_policy()
+        asyncio.set_event_loop_policy(_ClosingLoopPolicy())
+    try:
+        yield
+    finally:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            asyncio.set_event_loop_policy(previous)
+
+
+class _NoReadOnlyNotice(logging.Filter):
+    """Orbax logs a warning whenever a manager opens read-only, which every reader here does on
+    purpose; the line tells a user nothing."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Given directory is read only")
+
+
 # A reader lists the checkpoints while a trainer may remove old ones (keep_checkpoints).
 READER_OPEN_ATTEMPTS = 5
 
@@ -89,13 +144,19 @@ class Checkpointer:
                                                    enable_async_checkpointing=True)
             return ocp.CheckpointManager(self.directory, options=options, item_handlers=_handlers())
         options = ocp.CheckpointManagerOptions(read_only=True, create=False, cleanup_tmp_directories=False,
-                                               enable_async_checkpointing=False, save_root_metadata=False)
-        for _ in range(READER_OPEN_ATTEMPTS - 1):
-            try:
-                return ocp.CheckpointManager(self.directory, options=options, item_handlers=_handlers())
-            except (FileNotFoundError, NotADirectoryError):
-                pass  # a trainer removed an old checkpoint while Orbax listed them: list them again
-        return ocp.CheckpointManager(self.directory, options=options, item_handlers=_handlers())
+                                               enable_async_checkpointing=False, save_root_metadata=False,
+                                               save_interval_steps=0)
+        notice, absl_logger = _NoReadOnlyNotice(), logging.getLogger("absl")
+        absl_logger.addFilter(notice)
+        try:
+            for _ in range(READER_OPEN_ATTEMPTS - 1):
+                try:
+                    return ocp.CheckpointManager(self.directory, options=options, item_handlers=_handlers())
+                except (FileNotFoundError, NotADirectoryError):
+                    pass  # a trainer removed an old checkpoint while Orbax listed them: list them again
+            return ocp.CheckpointManager(self.directory, options=options, item_handlers=_handlers())
+        finally:
+            absl_logger.removeFilter(notice)
 
     def save(self, state: TrainState, manifest: dict[str, Any]) -> None:
         """Start writing a checkpoint of `state`; training goes on while Orbax writes it."""
@@ -117,10 +178,11 @@ class Checkpointer:
         """Restore `step` into the structure and shardings of `like`; ValueError if damaged."""
         abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, like)
         try:
-            restored = self.manager.restore(step, args=ocp.args.Composite(
-                state=ocp.args.PyTreeRestore(abstract, ocp.checkpoint_utils.construct_restore_args(abstract)),
-                manifest=ocp.args.JsonRestore()
-            ))
+            with _loops_that_finish_their_tasks():
+                restored = self.manager.restore(step, args=ocp.args.Composite(
+                    state=ocp.args.PyTreeRestore(abstract, ocp.checkpoint_utils.construct_restore_args(abstract)),
+                    manifest=ocp.args.JsonRestore()
+                ))
         except Exception as err:  # Orbax raises many types for missing or unreadable files
             raise ValueError(f"unreadable ({type(err).__name__}: {str(err).splitlines()[0][:200]})") from None
         state, manifest = restored["state"], restored["manifest"]

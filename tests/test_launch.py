@@ -23,6 +23,7 @@ from jaxgpt.checkpoint import load_run
 from jaxgpt.launch import exit_code, launch, process_env
 from jaxgpt.metrics import read_metrics
 from conftest import FAST_COMPILE
+from jaxgpt_lines import foreign_lines
 from test_train import write_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,6 +58,7 @@ def _launch(n: int, out: Path, corpus: Path, cache: Path, extra: list[str], resu
     done = subprocess.run(_command(n, out, corpus, STEPS, extra, resume), env=_env(cache), capture_output=True,
                           text=True, timeout=RUN_TIMEOUT_S)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert foreign_lines(done.stderr) == [], done.stderr[-3000:]  # many processes, jaxgpt's lines alone
     return done.stdout
 
 
