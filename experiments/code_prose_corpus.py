@@ -23,9 +23,25 @@ import hashlib
 import json
 from pathlib import Path
 
-from jaxgpt.data import in_val_split, load_corpus, stdlib_files
+from jaxgpt.data import in_val_split, open_source, stdlib_paths, stdlib_root
 
 CHUNK_BYTES = 16_000
+
+
+def stdlib_files() -> list[tuple[str, str]]:
+    """The default corpus's files as (path relative to the stdlib, text), sorted; those that are not
+    UTF-8 are left out, as the default corpus leaves them out."""
+    root, files = stdlib_root(), []
+    for path in stdlib_paths():
+        try:
+            files.append((path.relative_to(root).as_posix(), path.read_bytes().decode("utf-8")))
+        except UnicodeDecodeError:
+            continue
+    return sorted(files)
+
+
+def held_out_texts(source: str, val_fraction: float) -> list[str]:
+    return [doc.text for doc in open_source(source, val_fraction).documents() if doc.val]
 
 
 def prose_chunks(text: str, size: int = CHUNK_BYTES) -> list[str]:
@@ -100,8 +116,8 @@ def main(argv: list[str] | None = None) -> dict[str, float | int]:
     code = stdlib_files()
     summary = write_corpus(code, Path(args.prose).read_text(encoding="utf-8"), args.out,
                            code_share=args.code_share, val_fraction=args.val_fraction)
-    held_out = load_corpus(args.out, args.val_fraction).val
-    stdlib_val = load_corpus("stdlib", args.val_fraction).val
+    held_out = held_out_texts(args.out, args.val_fraction)
+    stdlib_val = held_out_texts("stdlib", args.val_fraction)
     if sorted(held_out) != sorted(stdlib_val):
         raise AssertionError(f"{args.out}'s held-out files are not the default corpus's")
     print(json.dumps(summary))

@@ -300,7 +300,7 @@ def bench_speculative(run_dir: str, repeats: int, batches: tuple[int, ...] = (1,
     if model.mtp_depth < 1:
         raise ValueError(f"{run_dir} has model.mtp_depth = 0: speculative decoding needs MTP adapters")
     data = prepare_data(load_run_config(run_dir), Path(run_dir))
-    val, rng = np.asarray(data.tokens.val), np.random.default_rng(0)
+    val, rng = data.tokens.val, np.random.default_rng(0)  # read by windows: a split may be large
     P = min(32, model.context_length // 2)
     for B in batches:
         prompts = [val[i: i + P].tolist() for i in rng.integers(0, len(val) - P, B)]

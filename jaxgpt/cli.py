@@ -61,14 +61,39 @@ def cmd_train(args: argparse.Namespace) -> int:
         return _train(args)
 
 
+def _with_data(args: argparse.Namespace) -> list[str]:
+    """The --set overrides, with --data as data.source."""
+    overrides = list(args.overrides)
+    if args.data is not None:
+        overrides.append(f"data.source={json.dumps(args.data)}")
+    return overrides
+
+
+def cmd_prepare(args: argparse.Namespace) -> int:
+    from jaxgpt import signals
+    from jaxgpt.data import prepare_data
+
+    if args.workers is not None and args.workers < 1:
+        raise ValueError(f"--workers {args.workers}: at least one encoding process is needed")
+    cfg = load_config(args.config, _with_data(args))
+    with signals.handled():
+        signals.check("before the token store was prepared")
+        started = time.perf_counter()
+        data = prepare_data(cfg, workers=args.workers, progress=not args.no_progress)
+    tokens = data.tokens
+    print(json.dumps({"store": str(tokens.folder), "train_tokens": len(tokens.train), "val_tokens": len(tokens.val),
+                      "shards": len(tokens.train.shards) + len(tokens.val.shards), "val_bytes": tokens.val_bytes,
+                      "tokenizer_vocab": data.tokenizer.vocab_size, "eot_id": data.tokenizer.eot_id,
+                      "data_sha256": tokens.fingerprint, "seconds": round(time.perf_counter() - started, 2)}))
+    return 0
+
+
 def _train(args: argparse.Namespace) -> int:
     from jaxgpt.distributed import is_writer
     from jaxgpt.metrics import read_metrics
     from jaxgpt.train import train
 
-    overrides = list(args.overrides)
-    if args.data is not None:
-        overrides.append(f"data.source={json.dumps(args.data)}")
+    overrides = _with_data(args)
     if args.steps is not None:
         overrides.append(f"train.steps={args.steps}")
     base, hf_dir = None, None
@@ -249,6 +274,10 @@ def _command(sub: argparse._SubParsersAction, name: str, line: str, description:
     return sub.add_parser(name, prog=f"jaxgpt {name}", help=line, description=description or line)
 
 
+DATA_HELP = ("data.source: stdlib, a text, JSONL or Parquet file, a folder or glob of them, a folder of llm.c "
+             "token shards, or hf:NAME[:SPLIT]")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="jaxgpt", usage="jaxgpt COMMAND [options]", formatter_class=_CommandListFormatter,
@@ -267,9 +296,19 @@ def build_parser() -> argparse.ArgumentParser:
                      help="also compile the train step ahead of time for this mesh and report its memory")
     dry.set_defaults(func=cmd_dry_run)
 
+    pre = _command(sub, "prepare", "encode a data source into its token store, ahead of training",
+                   "Encode a data source into its token store (llm.c shards in the cache, $JAXGPT_CACHE), "
+                   "as train would on its first start; run again, it continues an interrupted preparation")
+    _add_config_args(pre)
+    pre.add_argument("--data", help=DATA_HELP)
+    pre.add_argument("--workers", type=int, default=None, metavar="N",
+                     help="encoding processes (default: one per core for a source of 4 MB or more, else 1)")
+    pre.add_argument("--no-progress", action="store_true", help="no progress bar")
+    pre.set_defaults(func=cmd_prepare, handles_signals=True)
+
     tr = _command(sub, "train", "train a model into a run directory, or resume one")
     _add_config_args(tr)
-    tr.add_argument("--data", help="data.source: stdlib, a file, a directory, a glob or hf:NAME[:SPLIT]")
+    tr.add_argument("--data", help=DATA_HELP)
     tr.add_argument("--steps", type=int, help="train.steps")
     tr.add_argument("--out", default="runs/default", help="the run directory (default: runs/default)")
     tr.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")

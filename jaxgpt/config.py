@@ -126,9 +126,14 @@ def matched_hidden_size(d_model: int) -> int:
 
 @dataclass(frozen=True)
 class DataConfig:
-    source: str = "stdlib"  # "stdlib" | a file, directory or glob | "hf:NAME[:SPLIT]"
+    # "stdlib" | a text, JSONL (.jsonl, .jsonl.gz) or Parquet file, or a folder or glob of them |
+    # a folder of llm.c token shards | "hf:NAME[@REVISION][:SPLIT]"
+    source: str = "stdlib"
     tokenizer: str = "bpe"  # "bpe" | "char" | a path to a tokenizer.json
     val_fraction: float = 0.1
+    text_field: str = "text"  # the field (JSONL) or column (Parquet, hf:) that holds a document
+    tokenizer_sample_bytes: int = 64_000_000  # BPE learns from at most this much train text
+    shard_tokens: int = 100_000_000  # tokens per shard of the token store (llm.c's size)
 
     def __post_init__(self) -> None:
         _finite("data", self)
@@ -136,6 +141,9 @@ class DataConfig:
             raise ConfigError(f"data.val_fraction = {self.val_fraction!r} must be in (0, 1)")
         if not self.source:
             raise ConfigError("data.source is empty")
+        if not self.text_field:
+            raise ConfigError("data.text_field is empty")
+        _positive("data", self, "tokenizer_sample_bytes", "shard_tokens")
 
 
 @dataclass(frozen=True)

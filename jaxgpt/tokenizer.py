@@ -30,7 +30,18 @@ _PROGRESS_CHARS = 1 << 20
 # The GPT-2 pre-tokenizer regex makes a lone newline between a visible ASCII character and a letter
 # a pre-token of its own, so BPE gives the same ids whether or not the text is cut after it. (After
 # a longer whitespace run it would not: the run splits differently before a letter than at the end.)
-_BPE_CUT = re.compile(r"(?<=[!-~])\n(?=[A-Za-z])")
+# A char tokenizer may be cut anywhere but inside a special token, which never holds a newline.
+_SAFE_CUT = re.compile(r"(?<=[!-~])\n(?=[A-Za-z])")
+# The end-of-text token jaxgpt's own tokenizers gain (GPT-2's); the names other tokenizers give theirs.
+EOT = "<|endoftext|>"
+END_OF_TEXT_NAMES = (EOT, "<|end_of_text|>", "</s>", "<eos>")
+
+
+def safe_cut(text: str, at: int) -> int | None:
+    """The first position at or after `at` where `text` may be cut without changing its ids under
+    a byte-level BPE (GPT-2's pre-tokenizer) or char tokenizer, or None where there is none."""
+    match = _SAFE_CUT.search(text, at)
+    return None if match is None else match.end()
 
 
 class Tokenizer:
@@ -47,6 +58,25 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return self._hf.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def eot_id(self) -> int | None:
+        """The id of the end-of-text token that follows each document, or None if there is none."""
+        special = {t.content: i for i, t in self._hf.get_added_tokens_decoder().items() if t.special}
+        return next((special[name] for name in END_OF_TEXT_NAMES if name in special), None)
+
+    def to_json(self) -> str:
+        return self._hf.to_str()
+
+    def special_ids(self) -> set[int]:
+        return {i for i, t in self._hf.get_added_tokens_decoder().items() if t.special}
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes token `token_id` stands for (a byte-level token may be part of a character)."""
+        token = self._hf.id_to_token(token_id)
+        if self._cut_rule == BPE and token is not None and all(c in BYTE_DECODER for c in token):
+            return bytes(BYTE_DECODER[c] for c in token)
+        return self._hf.decode([token_id], skip_special_tokens=False).encode("utf-8")
 
     def encode(self, text: str) -> np.ndarray:
         return self.encode_many([text])[0]
@@ -111,13 +141,9 @@ class Tokenizer:
             return [text]
         pieces, start = [], 0
         while len(text) - start > _PIECE_CHARS:
-            if self._cut_rule == CHAR:
-                cut = start + _PIECE_CHARS
-            else:
-                match = _BPE_CUT.search(text, start + _PIECE_CHARS)
-                if match is None:
-                    break
-                cut = match.end()
+            cut = safe_cut(text, start + _PIECE_CHARS)
+            if cut is None:
+                break
             pieces.append(text[start:cut])
             start = cut
         pieces.append(text[start:])
@@ -153,6 +179,19 @@ def _batches(pieces: list[str], chars: int) -> Iterable[list[str]]:
         yield batch
 
 
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's map from the printable characters of a byte-level vocabulary back to the bytes."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = list(printable), 0
+    for byte in range(BYTE_ALPHABET):
+        if byte not in printable:
+            printable.append(byte)
+            chars.append(BYTE_ALPHABET + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars)}
+
+
+BYTE_DECODER = _byte_decoder()
 VOCAB_FILE, MERGES_FILE = "vocab.json", "merges.txt"
 # GPT-2's end-of-text token: its vocab.json lists it among the ordinary tokens, its tokenizers treat
 # it as special (the text "<|endoftext|>" encodes to its one id).
@@ -177,7 +216,7 @@ def _byte_level_bpe(vocab_path: Path, merges_path: Path) -> HFTokenizer:
 
 
 def _cut_rule(config: dict) -> str | None:
-    """Where a long text may be cut without changing its encoding: CHAR anywhere, BPE at lines."""
+    """Whether a long text may be cut at `safe_cut` without changing its encoding (CHAR or BPE)."""
     if config.get("normalizer") is not None:
         return None
     if any("\n" in token["content"] for token in config.get("added_tokens") or []):
@@ -199,42 +238,57 @@ def _char_pre_tokenizer_config() -> dict:
     return json.loads(_char_pre_tokenizer().__getstate__())
 
 
-def train_bpe(texts: list[str], vocab_size: int) -> Tokenizer:
-    if vocab_size <= BYTE_ALPHABET:
+def train_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:
+    """Byte-level BPE learned from `texts` (read once, as a stream), with `EOT` as its last id."""
+    if vocab_size <= BYTE_ALPHABET + 1:
         raise ValueError(
             f"model.vocab_size = {vocab_size} is too small for byte-level BPE: it needs more than "
-            f"{BYTE_ALPHABET} (the byte alphabet) to learn any merge"
+            f"{BYTE_ALPHABET + 1} (the byte alphabet and the end-of-text token) to learn any merge"
         )
-    if not any(texts):
-        raise ValueError("cannot train a BPE tokenizer on an empty corpus")
+    seen = [0]
+
+    def counted() -> Iterable[str]:
+        for text in texts:
+            seen[0] += len(text)
+            yield text
+
     hf = HFTokenizer(models.BPE())
     hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     hf.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
+        vocab_size=vocab_size - 1,  # the end-of-text token takes the last id, as GPT-2's does
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         special_tokens=[],
         show_progress=False,
     )
-    hf.train_from_iterator(texts, trainer, length=len(texts))
+    hf.train_from_iterator(counted(), trainer)
+    if not seen[0]:
+        raise ValueError("cannot train a BPE tokenizer on an empty corpus")
+    hf.add_special_tokens([EOT])
     return Tokenizer(hf, BPE)
 
 
-def build_char(texts: list[str], vocab_size: int) -> Tokenizer:
-    chars = sorted(set().union(*map(set, texts)))
+def build_char(texts: Iterable[str], vocab_size: int) -> Tokenizer:
+    """One token per distinct character of `texts` (read once, as a stream), sorted, then `EOT`."""
+    seen: set[str] = set()
+    for text in texts:
+        seen.update(text)
+    chars = sorted(seen)
     if not chars:
         raise ValueError("cannot build a char tokenizer from an empty corpus")
-    if len(chars) > vocab_size:
+    if len(chars) + 1 > vocab_size:
         raise ValueError(
-            f"the corpus has {len(chars)} distinct characters but model.vocab_size is {vocab_size}"
+            f"the corpus has {len(chars)} distinct characters (and the end-of-text token) but "
+            f"model.vocab_size is {vocab_size}"
         )
     hf = HFTokenizer(models.WordLevel({c: i for i, c in enumerate(chars)}, unk_token=_NO_UNK))
     hf.pre_tokenizer = _char_pre_tokenizer()
     hf.decoder = decoders.Fuse()  # the default decoder would put spaces between characters
+    hf.add_special_tokens([EOT])
     return Tokenizer(hf, CHAR)
 
 
-def build_tokenizer(spec: str, texts: list[str], vocab_size: int) -> Tokenizer:
+def build_tokenizer(spec: str, texts: Iterable[str], vocab_size: int) -> Tokenizer:
     """`spec` is "bpe", "char" or the path of a tokenizer.json; `texts` train the first two."""
     if spec == BPE:
         return train_bpe(texts, vocab_size)

@@ -146,7 +146,7 @@ def _train(cfg: RunConfig, out_dir: str | Path, *, resume: bool, force: bool, pr
     data = distributed.writer_first(lambda: prepare_data(cfg, run_dir), "prepare-data")  # builds caches once
     if data.tokenizer.kind == "char" and data.tokenizer.vocab_size < cfg.model.vocab_size:
         print(f"note: the char tokenizer has {data.tokenizer.vocab_size} tokens (the corpus's distinct "
-              f"characters); model.vocab_size = {cfg.model.vocab_size} leaves "
+              f"characters and the end-of-text token); model.vocab_size = {cfg.model.vocab_size} leaves "
               f"{cfg.model.vocab_size - data.tokenizer.vocab_size} embedding rows unused", file=sys.stderr)
     signals.check()
     runtime = make_runtime(cfg)

@@ -112,19 +112,20 @@ def test_length_sweep(tmp_path):
 
 
 def test_code_prose_corpus_holds_out_only_the_code_files_of_its_source(tmp_path):
-    from jaxgpt.data import in_val_split, load_corpus
+    from jaxgpt.data import in_val_split, open_source
 
     module = _load("code_prose_corpus")
     code = [(f"pkg{i % 7}/mod{i}.py", f"def f{i}(x):\n    return x + {i}\n" * 40) for i in range(200)]
     prose = "".join(f"Line {i} of a long tale, told slowly.\n" for i in range(2000))
     summary = module.write_corpus(code, prose, tmp_path / "mix", code_share=0.6, val_fraction=0.1)
-    mixed = load_corpus(str(tmp_path / "mix"), 0.1)
+    documents = list(open_source(str(tmp_path / "mix"), 0.1).documents())
+    val, train = [d.text for d in documents if d.val], [d.text for d in documents if not d.val]
     held_out = [text for name, text in code if in_val_split(name, 0.1)]
-    assert held_out and sorted(mixed.val) == sorted(held_out)
-    assert not any("tale" in text for text in mixed.val)
-    train_prose = sum(len(t) for t in mixed.train if "tale" in t)
+    assert held_out and sorted(val) == sorted(held_out)
+    assert not any("tale" in text for text in val)
+    train_prose = sum(len(t) for t in train if "tale" in t)
     assert train_prose == len(prose) == summary["prose_bytes"]
-    train_code = sum(len(t) for t in mixed.train if "tale" not in t)
+    train_code = sum(len(t) for t in train if "tale" not in t)
     assert train_code == summary["train_code_bytes"]
     # Code files are added until code reaches its share, so it lands within one file above it.
     assert 0.6 <= train_code / (train_code + train_prose) < 0.6 + len(code[0][1]) / (train_code + train_prose)

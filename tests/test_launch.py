@@ -31,7 +31,8 @@ STEPS, EVERY = 6, 3
 TINY = ["model.context_length=16", "model.d_model=32", "model.n_heads=4", "model.n_layers=1",
         "model.vocab_size=300", "train.batch_size=8", "train.warmup_steps=2", "train.eval_every=100",
         "train.eval_batches=1", "train.log_every=1", f"train.checkpoint_every={EVERY}",
-        "train.keep_checkpoints=10", "train.sample_tokens=0"]
+        "train.keep_checkpoints=10", "train.sample_tokens=0",
+        "train.adam_eps=1e-4"]  # Adam would turn a layout's rounding of sub-eps gradients into 1e-5 steps
 LAYOUTS = {"data": [], "fsdp": ["train.fsdp=8"]}
 RUNS = [(layout, n) for layout in LAYOUTS for n in (1, 2)]  # layout, processes (of 8 // n devices)
 # layout, processes before and after: each way across a change of process count, and within one.

@@ -51,7 +51,7 @@ def wait_for(predicate, process: subprocess.Popen) -> None:
 
 def token_files_written(cache: Path) -> bool:
     """True once the token files are complete: the process is compiling its init from then on."""
-    return any((cache / "tokens").glob("*/meta.json")) if (cache / "tokens").is_dir() else False
+    return any((cache / "stores").glob("*/index.json")) if (cache / "stores").is_dir() else False
 
 
 def train_records(run: Path) -> int:

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxgpt import tokenizer as tokenizer_module
-from jaxgpt.tokenizer import Tokenizer, build_tokenizer
+from jaxgpt.tokenizer import EOT, Tokenizer, build_tokenizer, safe_cut
 
 CORPUS = [
     "def main():\n    print('hello, world')\n\n\nif __name__ == '__main__':\n    main()\n",
@@ -92,14 +92,40 @@ def test_encode_many_reports_progress_without_changing_the_ids(bpe: Tokenizer, m
 
 
 def test_bpe_vocab_too_small_for_bytes() -> None:
-    with pytest.raises(ValueError, match="model.vocab_size = 256"):
-        build_tokenizer("bpe", CORPUS, 256)
+    with pytest.raises(ValueError, match="model.vocab_size = 257 is too small"):
+        build_tokenizer("bpe", CORPUS, 257)  # the bytes and the end-of-text token leave no merge
 
 
 def test_char_vocab_is_sorted_distinct_characters(char: Tokenizer) -> None:
     assert char.kind == "char"
-    assert char.vocab_size == len(CHAR_ALPHABET)
+    assert char.vocab_size == len(CHAR_ALPHABET) + 1  # and the end-of-text token
     np.testing.assert_array_equal(char.encode("".join(CHAR_ALPHABET)), np.arange(len(CHAR_ALPHABET)))
+
+
+@pytest.mark.parametrize("name", ["bpe", "char"])
+def test_the_end_of_text_token_is_the_last_id_and_its_text_encodes_to_it(name, bpe, char) -> None:
+    tokenizer = {"bpe": bpe, "char": char}[name]
+    assert tokenizer.eot_id == tokenizer.vocab_size - 1
+    text = "a" + EOT + "b"
+    ids = tokenizer.encode(text).tolist()
+    assert ids.count(tokenizer.eot_id) == 1 and tokenizer.decode(ids) == text
+    assert tokenizer.special_ids() == {tokenizer.eot_id}
+    assert build_tokenizer("bpe", ["ab"], 1024).eot_id == build_tokenizer("bpe", ["ab"], 1024).vocab_size - 1
+
+
+@settings(max_examples=100, deadline=None)
+@given(text=st.text())
+def test_token_bytes_add_up_to_the_text(bpe: Tokenizer, text: str) -> None:
+    ids = bpe.encode(text).tolist()
+    special = bpe.special_ids()
+    assert sum(len(bpe.token_bytes(i)) for i in ids if i not in special) == len(
+        text.replace(EOT, "").encode("utf-8"))
+
+
+def test_safe_cut_is_after_a_newline_between_a_visible_character_and_a_letter() -> None:
+    assert safe_cut("ab.\nCd\n\nef.\nG", 0) == 4
+    assert safe_cut("ab.\nCd\n\nef.\nG", 5) == 12
+    assert safe_cut("ab \nCd", 0) is None and safe_cut("ab.\n9", 0) is None
 
 
 def test_char_unknown_character_is_named(char: Tokenizer) -> None:
@@ -109,8 +135,9 @@ def test_char_unknown_character_is_named(char: Tokenizer) -> None:
 
 
 def test_char_vocab_too_small() -> None:
-    with pytest.raises(ValueError, match="3 distinct characters but model.vocab_size is 2"):
-        build_tokenizer("char", ["abcabc"], 2)
+    with pytest.raises(ValueError, match=r"3 distinct characters \(and the end-of-text token\) but "
+                                         "model.vocab_size is 3"):
+        build_tokenizer("char", ["abcabc"], 3)
 
 
 def test_decode_rejects_out_of_range_ids(char: Tokenizer) -> None:

@@ -148,13 +148,13 @@ def test_an_out_path_through_a_file_is_one_line_and_leaves_the_file(out, tmp_pat
 
 def test_a_char_tokenizer_smaller_than_the_vocab_says_what_it_got(tmp_path, capsys):
     corpus = write_corpus(tmp_path / "corpus.txt", words=600)
-    letters = len(set(corpus.read_text()))
+    tokens = len(set(corpus.read_text())) + 1  # and the end-of-text token
     assert main(["train", *TINY, "--data", str(corpus), "--out", str(tmp_path / "run"), "--no-progress",
                  "--steps", "1", "--set", "data.tokenizer=char", "--set", "model.vocab_size=1024",
                  "--set", "train.sample_tokens=0"]) == 0
     err = capsys.readouterr().err
-    assert (f"note: the char tokenizer has {letters} tokens (the corpus's distinct characters); "
-            f"model.vocab_size = 1024 leaves {1024 - letters} embedding rows unused") in err
+    assert (f"note: the char tokenizer has {tokens} tokens (the corpus's distinct characters and the end-of-text "
+            f"token); model.vocab_size = 1024 leaves {1024 - tokens} embedding rows unused") in err
 
 
 def test_a_stop_text_of_several_tokens_is_named_with_plain_ids(finished_run, capsys):
