@@ -116,12 +116,15 @@ def _loops_that_finish_their_tasks() -> Iterator[None]:
             asyncio.set_event_loop_policy(previous)
 
 
-class _NoReadOnlyNotice(logging.Filter):
-    """Orbax logs a warning whenever a manager opens read-only, which every reader here does on
-    purpose; the line tells a user nothing."""
+class _ReaderNotices(logging.Filter):
+    """What Orbax warns a reader of that a reader here expects: that it opened read-only (every
+    reader does, on purpose), and that a checkpoint's files vanished while it listed them (the
+    trainer dropped an old one: the reader lists again). Neither line tells a user anything."""
+
+    EXPECTED = ("Given directory is read only", "Metadata file does not exist")
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith("Given directory is read only")
+        return not record.getMessage().startswith(self.EXPECTED)
 
 
 # A reader lists the checkpoints while a trainer may remove old ones (keep_checkpoints).
@@ -136,6 +139,9 @@ class Checkpointer:
         self.directory = RunDir(run_dir).checkpoints.absolute()
         self.keep = keep
         self.read_only = read_only
+        self._notices = _ReaderNotices() if read_only else None
+        if self._notices is not None:
+            logging.getLogger("absl").addFilter(self._notices)  # until close()
         self.manager = self._open()
 
     def _open(self) -> ocp.CheckpointManager:
@@ -146,17 +152,12 @@ class Checkpointer:
         options = ocp.CheckpointManagerOptions(read_only=True, create=False, cleanup_tmp_directories=False,
                                                enable_async_checkpointing=False, save_root_metadata=False,
                                                save_interval_steps=0)
-        notice, absl_logger = _NoReadOnlyNotice(), logging.getLogger("absl")
-        absl_logger.addFilter(notice)
-        try:
-            for _ in range(READER_OPEN_ATTEMPTS - 1):
-                try:
-                    return ocp.CheckpointManager(self.directory, options=options, item_handlers=_handlers())
-                except (FileNotFoundError, NotADirectoryError):
-                    pass  # a trainer removed an old checkpoint while Orbax listed them: list them again
-            return ocp.CheckpointManager(self.directory, options=options, item_handlers=_handlers())
-        finally:
-            absl_logger.removeFilter(notice)
+        for _ in range(READER_OPEN_ATTEMPTS - 1):
+            try:
+                return ocp.CheckpointManager(self.directory, options=options, item_handlers=_handlers())
+            except (FileNotFoundError, NotADirectoryError):
+                pass  # a trainer removed an old checkpoint while Orbax listed them: list them again
+        return ocp.CheckpointManager(self.directory, options=options, item_handlers=_handlers())
 
     def save(self, state: TrainState, manifest: dict[str, Any]) -> None:
         """Start writing a checkpoint of `state`; training goes on while Orbax writes it."""
@@ -239,6 +240,8 @@ class Checkpointer:
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
+        if self._notices is not None:
+            logging.getLogger("absl").removeFilter(self._notices)
 
 
 def load_run_config(run_dir: str | Path) -> RunConfig:

@@ -427,3 +427,23 @@ def test_one_process_writes_each_replicated_array_from_one_copy_unsliced(corpus,
     # One piece per array, the whole of one device's copy: no per-replica slices to cut first.
     assert len(written) == len(jax.tree_util.tree_leaves(state))
     assert all(piece.slice_args is None for piece in written)
+
+
+def test_a_reader_logs_nothing_when_a_checkpoint_vanishes_under_it(reference, tmp_path):
+    import logging
+
+    ref_run, _, _ = reference
+    run = shutil.copytree(ref_run, tmp_path / "run")
+    (run / "checkpoints" / "4" / "_CHECKPOINT_METADATA").unlink()  # as the trainer's cleanup leaves it, mid-way
+    logged: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: logged.append(record.getMessage())
+    absl = logging.getLogger("absl")
+    absl.addHandler(handler)
+    try:
+        reader = Checkpointer(run, keep=10, read_only=True)  # Orbax warns of both while it opens
+        assert reader.steps()[:1] == [4]
+        reader.close()
+    finally:
+        absl.removeHandler(handler)
+    assert logged == []
