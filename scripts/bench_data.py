@@ -10,10 +10,14 @@ of its own:
 - `jaxgpt prepare` with each worker count: MB/s and tokens/s of text, and the peak RSS of the whole
   process tree (the workers included), polled every 20 ms;
 - a restart: a new process that finds the complete store and reads its first batch (seconds from
-  its start, imports included), and the time to read one batch of 32 x 1,024;
+  its start, imports included; JAX is not among them), and the time to read one batch of 32 x 1,024
+  (its median over 200);
 - the floors, on the same files: the tokenizer's own batch encoder (Hugging Face tokenizers, every
   core) writing uint16 ids straight to one file document by document, and tiktoken on the same
-  vocabulary (every core) doing the same.
+  vocabulary (every core) doing the same;
+- with `--hf`, the path where HF tokenizers must encode (the same tokenizer with an NFC
+  normalizer, which tiktoken has no form of) beside that tokenizer's own HF floor; "x HF floor"
+  compares each row with the floor of its tokenizer.
 
 One JSON record per measurement on stdout, a table on stderr. torch-free.
 """
@@ -142,17 +146,19 @@ RESTART = r"""
 import json, sys, time
 started = float(sys.argv[1])
 from jaxgpt.config import load_config
-from jaxgpt.data import prepare_data, train_batch
+from jaxgpt.data import get_batch, prepare_data, window_length
 cfg = load_config(None, sys.argv[2:])
 found = time.time()
 data = prepare_data(cfg, progress=False)
 find_s = time.time() - found
-batch = train_batch(cfg, data, 0, 0)
+read = lambda step: get_batch(data.tokens.train, seed=0, step=step, batch_size=cfg.train.batch_size,
+                              window=window_length(cfg.model))
+batch = read(0)
 first_batch_s = time.time() - started
 times = []
 for step in range(1, 201):
     t = time.perf_counter()
-    train_batch(cfg, data, step, 0)
+    read(step)
     times.append(time.perf_counter() - t)
 times.sort()
 print(json.dumps({"restart_s": round(first_batch_s, 3), "find_store_s": round(find_s, 4),
@@ -166,19 +172,21 @@ def main() -> int:
     parser.add_argument("--workers", default="1,2", help="worker counts to time (default: 1,2)")
     parser.add_argument("--out", default="runs/bench_data", help="scratch folder (default: %(default)s)")
     parser.add_argument("--keep", action="store_true", help="keep the corpus and stores afterwards")
+    parser.add_argument("--hf", action="store_true",
+                        help="also time the path where HF tokenizers must encode: the same tokenizer with an NFC "
+                             "normalizer (which tiktoken has no form of), beside its own HF floor")
     args = parser.parse_args()
     out = Path(args.out)
     corpus, tokenizer = out / f"corpus-{args.size_mb:g}MB", out / "tokenizer.json"
-    if not (corpus / "done").is_file():
+    written = corpus.with_name(corpus.name + ".bytes")  # beside the corpus: inside, it would be a document
+    if not written.is_file():
         shutil.rmtree(corpus, ignore_errors=True)
-        text_bytes = write_corpus(corpus, int(args.size_mb * 1e6))
-        (corpus / "done").write_text(str(text_bytes))
-    text_bytes = int((corpus / "done").read_text())
+        written.write_text(str(write_corpus(corpus, int(args.size_mb * 1e6))))
+    text_bytes = int(written.read_text())
     if not tokenizer.is_file():
         train_tokenizer(corpus, tokenizer)
     python, env = sys.executable, {**os.environ, "PYTHONPATH": str(ROOT)}
-    sets = [f"data.source={json.dumps(str(corpus.absolute()))}",
-            f"data.tokenizer={json.dumps(str(tokenizer.absolute()))}", "model.vocab_size=50304",
+    sets = [f"data.source={json.dumps(str(corpus.absolute()))}", "model.vocab_size=50304",
             "model.context_length=1024", "train.batch_size=32"]
     records = []
 
@@ -187,38 +195,56 @@ def main() -> int:
         print(json.dumps(record), flush=True)
         records.append(record)
 
-    for workers in [int(w) for w in args.workers.split(",")]:
+    def prepare(workers: int, tokenizer_path: Path, label: str, restart: bool) -> None:
         cache = out / f"cache-{args.size_mb:g}MB-{workers}"
         shutil.rmtree(cache, ignore_errors=True)
+        own = [*sets, f"data.tokenizer={json.dumps(str(tokenizer_path.absolute()))}"]
         command = [python, "-m", "jaxgpt", "prepare", "--no-progress", "--workers", str(workers),
-                   *[a for s in sets for a in ("--set", s)]]
+                   *[a for s in own for a in ("--set", s)]]
         seconds, peak, stdout = timed(command, {**env, "JAXGPT_CACHE": str(cache)})
         summary = json.loads(stdout)
         tokens = summary["train_tokens"] + summary["val_tokens"]
-        emit({"what": f"jaxgpt prepare, {workers} worker(s)", "seconds": round(seconds, 1),
+        emit({"what": f"jaxgpt prepare, {workers} worker(s){label}", "seconds": round(seconds, 1),
               "mb_per_s": round(text_bytes / 1e6 / seconds, 2), "tokens_per_s": round(tokens / seconds),
               "peak_rss_mb": round(peak / 1e6), "tokens": tokens, "shards": summary["shards"]})
-        restart = subprocess.run([python, "-c", RESTART, str(time.time()), *sets], cwd=ROOT, capture_output=True,
-                                 text=True, env={**env, "JAXGPT_CACHE": str(cache)})
-        if restart.returncode:
-            raise RuntimeError(restart.stderr[-2000:])
-        emit({"what": f"restart with the store present ({workers} worker(s) wrote it)", **json.loads(restart.stdout)})
+        if restart:
+            found = subprocess.run([python, "-c", RESTART, str(time.time()), *own], cwd=ROOT, capture_output=True,
+                                   text=True, env={**env, "JAXGPT_CACHE": str(cache)})
+            if found.returncode:
+                raise RuntimeError(found.stderr[-2000:])
+            emit({"what": f"restart with the store present ({workers} worker(s) wrote it)", **json.loads(found.stdout)})
         if not args.keep:
             shutil.rmtree(cache, ignore_errors=True)
-    for kind, label in (("hf", "floor: HF tokenizers' batch encoder to one file"),
-                        ("tiktoken", "floor: tiktoken, same vocabulary, to one file")):
+
+    def floor(kind: str, tokenizer_path: Path, label: str) -> None:
         sink = out / f"floor-{kind}.bin"
-        seconds, peak, stdout = timed([python, "-c", FLOOR, kind, str(corpus), str(tokenizer), str(sink)], env)
+        seconds, peak, stdout = timed([python, "-c", FLOOR, kind, str(corpus), str(tokenizer_path), str(sink)], env)
         tokens = json.loads(stdout)["tokens"]
         emit({"what": label, "seconds": round(seconds, 1), "mb_per_s": round(text_bytes / 1e6 / seconds, 2),
               "tokens_per_s": round(tokens / seconds), "peak_rss_mb": round(peak / 1e6), "tokens": tokens})
         sink.unlink()
+
+    worker_counts = [int(w) for w in args.workers.split(",")]
+    for workers in worker_counts:
+        prepare(workers, tokenizer, "", restart=True)
+    floor("hf", tokenizer, "floor: HF tokenizers' batch encoder to one file")
+    floor("tiktoken", tokenizer, "floor: tiktoken, same vocabulary, to one file")
+    if args.hf:
+        normalized = out / "tokenizer-nfc.json"
+        config = json.loads(tokenizer.read_text())
+        config["normalizer"] = {"type": "NFC"}
+        normalized.write_text(json.dumps(config))
+        for workers in worker_counts:
+            prepare(workers, normalized, ", HF tokenizers (NFC tokenizer)", restart=False)
+        floor("hf", normalized, "floor: HF tokenizers' batch encoder, NFC tokenizer")
     if not args.keep:
         shutil.rmtree(corpus, ignore_errors=True)
-    floor = next(r["mb_per_s"] for r in records if r["what"].startswith("floor: HF"))
+        written.unlink()
+    floors = {nfc: next(r["mb_per_s"] for r in records if r["what"].startswith("floor: HF") and
+                        ("NFC" in r["what"]) == nfc) for nfc in ({False, True} if args.hf else {False})}
     for r in records:
         if "mb_per_s" in r:
-            r["vs_hf_floor"] = round(r["mb_per_s"] / floor, 2)
+            r["vs_hf_floor"] = round(r["mb_per_s"] / floors["NFC" in r["what"]], 2)
     keys = ["what", "seconds", "mb_per_s", "vs_hf_floor", "tokens_per_s", "peak_rss_mb", "restart_s",
             "find_store_s", "batch_ms"]
     print(" | ".join(keys), file=sys.stderr)

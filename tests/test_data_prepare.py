@@ -382,3 +382,47 @@ def test_a_tokenizer_that_tiktoken_differs_from_falls_back_with_one_line(corpus,
                    "tokenizers"]
     assert json.loads((data.tokens.folder / "index.json").read_text())["encoder"] == HF
     assert store_bytes(data.tokens.folder) == store_bytes(prepared[1].tokens.folder)
+
+
+class Killed(BaseException):
+    """Stands for the process dying: nothing of the preparation catches it."""
+
+
+@pytest.mark.parametrize("then", ["continue", "lose the shard being written"])
+def test_a_preparation_that_dies_between_a_shard_and_its_ledger_ends_the_same(then, prepared, corpus, tmp_path,
+                                                                            monkeypatch) -> None:
+    folder, _ = corpus
+    cache = tmp_path / "cache"
+    real, finished = prepare_module._Split._finish_shard, []
+
+    def dying(self):
+        real(self)
+        finished.append(self.writer.path.name)
+        if len(finished) == 4:  # a shard is done; the ledger written after the task is not
+            raise Killed
+
+    monkeypatch.setattr(prepare_module, "TASK_BYTES", 3000)
+    monkeypatch.setattr(prepare_module._Split, "_finish_shard", dying)
+    with pytest.raises(Killed):
+        prepare_data(config(folder), cache_dir=cache, workers=1)
+    store = next((cache / "stores").iterdir())
+    ledger = json.loads((store / "progress.json").read_text())
+    assert finished[-1] not in [s["name"] for s in ledger["splits"]["train"]["shards"]]
+    assert (store / finished[-1]).exists()  # finished on disk, not in the ledger
+    if then == "lose the shard being written":  # the ledger counts on it: the preparation starts over
+        for partial in [*store.glob("*.partial"), store / finished[-1]]:
+            partial.unlink()
+    monkeypatch.setattr(prepare_module._Split, "_finish_shard", real)
+    from jaxgpt import encoding
+
+    encode, encoded = encoding.Encoder.encode, []
+    monkeypatch.setattr(encoding.Encoder, "encode",
+                        lambda self, texts, *a: encoded.extend(texts) or encode(self, texts, *a))
+    again = prepare_data(config(folder), cache_dir=cache, workers=1)
+    assert store_bytes(again.tokens.folder) == store_bytes(prepared[1].tokens.folder)
+    assert not list(store.glob("*.partial")) and not (store / "progress.json").exists()
+    documents = sum(1 for _ in open_source(str(folder), 0.1).documents())
+    if then == "continue":  # from the ledger's document on, not from the start
+        assert len(encoded) == documents - ledger["documents"] and ledger["documents"] > 0
+    else:
+        assert len(encoded) == documents

@@ -10,8 +10,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
-import jax
 import numpy as np
 
 from jaxgpt.config import ModelConfig, RunConfig
@@ -90,11 +90,15 @@ def val_batch(cfg: RunConfig, data: RunData, index: int, seed: int) -> np.ndarra
 
 
 def _process_slice() -> dict[str, int]:
+    import jax  # here, not at the top: preparing data and reading batches need no JAX
+
     return {"process_index": jax.process_index(), "process_count": jax.process_count()}
 
 
-def evaluate(batch_loss: Callable[[np.ndarray], jax.Array], cfg: RunConfig, data: RunData) -> dict[str, float]:
+def evaluate(batch_loss: Callable[[np.ndarray], Any], cfg: RunConfig, data: RunData) -> dict[str, float]:
     """Val loss, perplexity and bits per byte over the same `eval_batches` val batches every time."""
+    import jax
+
     losses = [batch_loss(val_batch(cfg, data, i, cfg.train.seed)) for i in range(cfg.train.eval_batches)]
     return eval_summary(np.asarray(jax.device_get(losses)), data)
 

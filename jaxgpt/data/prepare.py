@@ -31,7 +31,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxgpt import signals
-from jaxgpt.data.shards import HEADER_BYTES, ShardWriter, token_dtype
+from jaxgpt.data.shards import HEADER_BYTES, ShardError, ShardWriter, read_header, token_dtype
 from jaxgpt.data.documents import Document, Source, listing_changes
 from jaxgpt.data.store import INDEX, LISTING, SPLITS, STORE_FORMAT, STORE_VERSION, TokenSplits, listing_sha, \
     open_store, shard_name
@@ -100,14 +100,10 @@ class _Split:
         self.shards: list[dict] = list(saved["shards"]) if saved else []
         self.documents, self.bytes = (saved["documents"], saved["bytes"]) if saved else (0, 0)
         partial = saved["partial"] if saved else 0
-        current = folder / shard_name(name, len(self.shards))
-        writer_partial = current.with_name(current.name + ".partial")
-        if partial and not writer_partial.exists() and current.exists():
-            os.replace(current, writer_partial)  # finished after the ledger was written: continue it
-        self.writer = ShardWriter(current, dtype, resume_tokens=partial)
+        self.writer = ShardWriter(folder / shard_name(name, len(self.shards)), dtype, resume_tokens=partial)
         self.hash = hashlib.sha256()
         if self.writer.tokens:
-            with open(writer_partial, "rb") as f:
+            with open(self.writer.partial, "rb") as f:
                 f.seek(HEADER_BYTES)
                 self.hash.update(f.read(self.writer.tokens * dtype.itemsize))
         self.finished_shard = False
@@ -147,6 +143,33 @@ class _Split:
         return sum(s["tokens"] for s in self.shards) + self.writer.tokens
 
 
+def _recover(folder: Path, state: dict, dtype: np.dtype) -> bool:
+    """Put the folder back as the ledger describes it: a shard finished after the ledger was
+    written becomes the one being written again, and files past the ledger go. False where a file
+    the ledger counts on is missing or short: the preparation then starts over."""
+    for name in SPLITS:
+        saved = state["splits"][name]
+        done = {entry["name"] for entry in saved["shards"]}
+        for entry in saved["shards"]:
+            try:
+                tokens, found = read_header(folder / entry["name"])
+            except ShardError:
+                return False
+            if tokens != entry["tokens"] or found != dtype:
+                return False
+        current = folder / shard_name(name, len(done))
+        partial = current.with_name(current.name + ".partial")
+        if not partial.exists() and current.exists():
+            os.replace(current, partial)
+        if saved["partial"] and (not partial.exists() or
+                                 partial.stat().st_size < HEADER_BYTES + saved["partial"] * dtype.itemsize):
+            return False
+        for path in folder.glob(f"{name}_*.bin*"):
+            if path.name not in done and path != partial:
+                path.unlink()
+    return True
+
+
 def _tasks(documents: Iterator[Document], skip: int) -> Iterator[list[Document]]:
     task, size = [], 0
     for number, doc in enumerate(documents):
@@ -172,14 +195,16 @@ def _saved_state(plan: Plan) -> dict | None:
 def build_store(plan: Plan, workers: int | None = None, progress: bool = True) -> TokenSplits:
     """Prepare the store of `plan` (continuing an interrupted preparation) and open it."""
     folder = plan.folder
+    dtype = token_dtype(plan.tokenizer.vocab_size)
     state = _saved_state(plan)
+    if state is not None and not _recover(folder, state, dtype):
+        state = None
     if state is None and folder.exists():
-        shutil.rmtree(folder)  # an older, incomplete layout: start over
+        shutil.rmtree(folder)  # nothing to continue: start over
     folder.mkdir(parents=True, exist_ok=True)
     workers = workers or default_workers(plan)
     announce = progress and plan.large
     encoder_kind = state["encoder"] if state else choose_encoder(plan)
-    dtype = token_dtype(plan.tokenizer.vocab_size)
     splits = {name: _Split(folder, name, dtype, plan.shard_tokens, state and state["splits"][name])
               for name in SPLITS}
     consumed = state["documents"] if state else 0
