@@ -20,11 +20,11 @@ Face backend (`hf`) does, request for request:
 Logits past the tokenizer's vocabulary (rows of a larger model vocabulary no text maps to) are
 left out of the argmax and the softmax; a model exported with `export-hf` has none.
 
-Shapes: every forward pass is [batch_size, W] with W one of at most four widths (`widths`: the
-context length and its halves down to an eighth, at least 16). A request goes to the narrowest
-width that holds it, right-padded (causal attention never looks right, and padded positions are
-not scored), and a last partial batch is filled with empty rows. So a task compiles the scorer
-once per width it uses and the generator twice per width, whatever its number of requests.
+Shapes: the log-likelihoods are computed in batches of at most eight widths, and the choices of
+a question share their context's computation (`jaxgpt.scoring`); a generation's prompts are
+right-padded to one of four widths (`generation_widths`: the context length and its halves down
+to an eighth; decoding, not the prefill, takes a generation's time), and a last partial batch is
+filled with empty rows. So the compiles of a task do not grow with its number of requests.
 """
 
 from __future__ import annotations
@@ -45,7 +45,6 @@ if importlib.util.find_spec("lm_eval") is None:  # an extra: jaxgpt trains, samp
     raise ImportError("lm-evaluation-harness tasks need the harness: pip install 'jaxgpt[eval]'")
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from lm_eval import utils as lm_utils
 from lm_eval.api.model import TemplateLM
@@ -56,36 +55,17 @@ from jaxgpt import distributed
 from jaxgpt.checkpoint import load_newest
 from jaxgpt.config import ModelConfig, TrainConfig, names_list
 from jaxgpt.generate import FINISHED, generate_tokens
-from jaxgpt.kernels import choose_kernels
-from jaxgpt.model import Params, count_params, forward
+from jaxgpt.model import Params, count_params
 from jaxgpt.rundir import RunDir
+from jaxgpt.scoring import batches_by_width, coarse_widths, score_pairs
 from jaxgpt.tokenizer import Tokenizer
 
 DEFAULT_BATCH_SIZE = 16
-MIN_WIDTH = 16
 MAX_GEN_TOKS = 256  # what a generation task gets when it sets no limit (the harness's default)
 GEN_CHUNK = 8  # new tokens per compiled decoding call; the stop strings are checked between calls
 # The harness bootstraps the standard error of metrics such as perplexity; 1,000 draws in this
 # process (see `_harness_settings`) instead of its default 100,000 in a pool of processes.
 BOOTSTRAP_ITERS = 1000
-
-
-def widths(context_length: int) -> tuple[int, ...]:
-    """The widths of the forward passes: the context length and its halves down to an eighth, at least 16."""
-    return tuple(sorted({min(context_length, max(MIN_WIDTH, context_length >> k)) for k in range(4)}))
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "vocab_limit"))
-def _score(params: Params, tokens_BW: jax.Array, targets_BW: jax.Array, scored_BW: jax.Array, *,
-           cfg: ModelConfig, vocab_limit: int) -> tuple[jax.Array, jax.Array]:
-    """Per row: the summed log-probability of its scored targets, and whether each is the argmax."""
-    logits_BWV = forward(params, cfg, tokens_BW, kernels=choose_kernels(cfg))
-    if vocab_limit < cfg.vocab_size:
-        logits_BWV = jnp.where(jnp.arange(cfg.vocab_size) < vocab_limit, logits_BWV, -jnp.inf)
-    picked_BW = jnp.take_along_axis(logits_BWV, targets_BW[..., None], axis=-1)[..., 0]
-    logp_BW = picked_BW - jax.nn.logsumexp(logits_BWV, axis=-1)
-    greedy_BW = jnp.argmax(logits_BWV, axis=-1) == targets_BW
-    return jnp.where(scored_BW, logp_BW, 0.0).sum(axis=-1), (greedy_BW | ~scored_BW).all(axis=-1)
 
 
 def _check_tokenizer(tokenizer: Tokenizer) -> None:
@@ -102,15 +82,6 @@ def _on_one_device(params: Params) -> Params:
     return jax.device_put(jax.device_get(params), jax.local_devices()[0])
 
 
-def _batches(lengths: Sequence[int], sizes: tuple[int, ...], batch_size: int) -> Iterator[tuple[int, list[int]]]:
-    """(width, indices) batches: longest first, each index in the narrowest width that holds its length."""
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    for width in sorted(sizes, reverse=True):
-        members = [i for i in order if next(w for w in sizes if w >= lengths[i]) == width]
-        for start in range(0, len(members), batch_size):
-            yield width, members[start: start + batch_size]
-
-
 class HarnessLM(TemplateLM):
     """The harness's model interface on a jaxgpt decoder (see the module docstring)."""
 
@@ -122,9 +93,10 @@ class HarnessLM(TemplateLM):
             raise ValueError(f"batch size must be an integer >= 1, got {batch_size!r}")
         self.cfg, self.params, self.text_tokenizer = cfg, _on_one_device(params), tokenizer
         self.batch_size, self.progress, self.step = batch_size, progress, step
-        self.widths = widths(cfg.context_length)
+        self.generation_widths = coarse_widths(cfg.context_length)  # decoding, not the prefill, takes the time
         self.vocab_limit = min(tokenizer.vocab_size, cfg.vocab_size)
         self._seed = 0
+        self._encoded: dict[str, np.ndarray] = {}  # texts encoded ahead of the harness's calls
 
     @classmethod
     def from_run(cls, run_dir: str | Path, **options: Any) -> HarnessLM:
@@ -152,62 +124,46 @@ class HarnessLM(TemplateLM):
         return {"model_num_parameters": count_params(self.params), "model_dtype": self.cfg.dtype}
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs: Any) -> list[int]:
-        return self.text_tokenizer.encode(string).tolist()  # jaxgpt's tokenizers add no special tokens
+        ids = self._encoded.get(string)  # jaxgpt's tokenizers add no special tokens
+        return (self.text_tokenizer.encode(string) if ids is None else ids).tolist()
 
     # ------------------------------------------------------------------ log-likelihoods
 
-    def _row(self, context: Sequence[int], continuation: Sequence[int]) -> tuple[list[int], int]:
-        """(the last context_length + 1 tokens of context + continuation, how many of them are scored)."""
-        S = self.cfg.context_length
-        if len(continuation) > S:
-            raise ValueError(f"a continuation of {len(continuation)} tokens is longer than model.context_length "
-                             f"= {S}: it cannot be scored in one window")
-        return (list(context) + list(continuation))[-(S + 1):], len(continuation)
-
-    def _score_rows(self, rows: list[tuple[list[int], int]], disable_tqdm: bool) -> list[tuple[float, bool]]:
-        B = self.batch_size
-        dispatched = []  # every batch goes to the device before any result is read back
-        for width, batch in _batches([len(whole) - 1 for whole, _ in rows], self.widths, B):
-            tokens, targets = np.zeros((B, width), np.int32), np.zeros((B, width), np.int32)
-            scored = np.zeros((B, width), bool)
-            for r, i in enumerate(batch):
-                whole, n = rows[i]
-                L = len(whole) - 1
-                tokens[r, :L], targets[r, :L] = whole[:-1], whole[1:]
-                scored[r, L - n: L] = True
-            dispatched.append((batch, _score(self.params, tokens, targets, scored, cfg=self.cfg,
-                                             vocab_limit=self.vocab_limit)))
-        answers: list[tuple[float, bool]] = [(0.0, True)] * len(rows)
-        for batch, (logp_B, greedy_B) in tqdm(dispatched, desc="scoring", unit="batch",
-                                              disable=disable_tqdm or not self.progress):
-            logp_B, greedy_B = np.asarray(logp_B), np.asarray(greedy_B)
-            for r, i in enumerate(batch):
-                answers[i] = (float(logp_B[r]), bool(greedy_B[r]))
-        return answers
+    def _score(self, pairs: list[tuple[list[int], list[int]]], disable_tqdm: bool) -> list[tuple[float, bool]]:
+        bar = functools.partial(tqdm, desc="scoring", unit="batch", disable=disable_tqdm or not self.progress)
+        return score_pairs(self.params, self.cfg, pairs, batch_size=self.batch_size, vocab_limit=self.vocab_limit,
+                           progress=bar)
 
     def loglikelihood(self, requests: list[Any], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
-        # The harness's evaluator asks for no quiet: its encoding bar follows `progress` as the scorer's does.
-        return super().loglikelihood(requests, disable_tqdm=disable_tqdm or not self.progress)
+        """The harness's own (it encodes each pair), with the texts it will encode encoded first in
+        one parallel batch; its encoding bar follows `progress`, as the evaluator asks for no quiet."""
+        texts = set()
+        for context, continuation in (request.args for request in requests):
+            texts.update((context.rstrip(), context + continuation) if context else (continuation,))
+        self._encoded = dict(zip(texts, self.text_tokenizer.encode_many(list(texts)))) if texts else {}
+        try:
+            return super().loglikelihood(requests, disable_tqdm=disable_tqdm or not self.progress)
+        finally:
+            self._encoded = {}
 
     def _loglikelihood_tokens(self, requests: list[tuple[Any, list[int], list[int]]], disable_tqdm: bool = False,
                               **kwargs: Any) -> list[tuple[float, bool]]:
-        answers = self._score_rows([self._row(context, continuation) for _, context, continuation in requests],
-                                   disable_tqdm)
+        answers = self._score([(context, continuation) for _, context, continuation in requests], disable_tqdm)
         for (key, _, _), answer in zip(requests, answers):
             if key is not None:
                 self.cache_hook.add_partial("loglikelihood", key, answer)
         return answers
 
     def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
-        rows, owners = [], []
+        pairs, owners = [], []
         for i, (text,) in enumerate(request.args for request in requests):
             windows = lm_utils.get_rolling_token_windows(token_list=self.tok_encode(text), prefix_token=self.prefix_token_id,
                                                          max_seq_len=self.max_length, context_len=1)
             for context, continuation in map(lm_utils.make_disjoint_window, windows):
-                rows.append(self._row(context, continuation))
+                pairs.append((context, continuation))
                 owners.append(i)
         totals = [0.0] * len(requests)
-        for i, (logp, _) in zip(owners, self._score_rows(rows, disable_tqdm)):
+        for i, (logp, _) in zip(owners, self._score(pairs, disable_tqdm)):
             totals[i] += logp
         for request, total in zip(requests, totals):
             self.cache_hook.add_partial("loglikelihood_rolling", request.args, total)
@@ -238,7 +194,7 @@ class HarnessLM(TemplateLM):
                   disable_tqdm: bool) -> list[str]:
         eot, B = self.eot_token_id, self.batch_size
         new: list[list[int]] = [[] for _ in prompts]
-        batches = list(_batches([len(p) for p in prompts], self.widths, B))
+        batches = list(batches_by_width([len(p) for p in prompts], self.generation_widths, B))
         for width, batch in tqdm(batches, desc="generating", unit="batch", disable=disable_tqdm or not self.progress):
             rows = [prompts[i] for i in batch] + [[eot]] * (B - len(batch))  # empty rows keep the shape
             self._seed += 1

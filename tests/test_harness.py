@@ -19,6 +19,7 @@ from test_metrics import read_scalars
 from test_train import write_corpus
 
 import jaxgpt.harness as harness
+import jaxgpt.scoring as scoring
 import jaxgpt.train as train_module
 from jaxgpt.checkpoint import load_run
 from jaxgpt.cli import main
@@ -90,7 +91,7 @@ def requests(kind, arguments):
 WORDS = "the dog ran to the cat and it was red and the cat sat on a mat and the dog was red too".split()
 
 
-def test_loglikelihoods_and_greedy_flags_equal_the_hf_backends(trained):
+def test_loglikelihoods_and_greedy_flags_equal_the_hf_backends(trained, monkeypatch):
     _, _, ours, theirs, _ = trained
     one_token = next(w for w in (" a", " the", " cat") if len(ours.tok_encode(w)) == 1)
     pairs = [(" ".join((WORDS * 2)[:k]), c) for k in range(1, 2 * len(WORDS) + 1)
@@ -102,11 +103,15 @@ def test_loglikelihoods_and_greedy_flags_equal_the_hf_backends(trained):
     pairs += [(c, x) for (c, _), x in zip(prompts, theirs.generate_until(requests("generate_until", prompts))) if x]
     encoded = [ours._encode_pair(c, x) if c else ([ours.eot_token_id], ours.tok_encode(x)) for c, x in pairs]
     inputs = [len(c) + len(x) - 1 for c, x in encoded]
-    assert {15, 16, 17} <= set(inputs) and max(inputs) > 32  # both sides of a width, and cut to the context
+    assert {15, 16, 17, 24, 25} <= set(inputs) and max(inputs) > 32  # both sides of widths, and cut to the context
     assert 1 in {len(x) for _, x in encoded}
+    real_shared, shared = scoring._score_shared, []  # the batches whose pairs share their context's computation
+    monkeypatch.setattr(scoring, "_score_shared", lambda *a, **k: shared.append(1) or real_shared(*a, **k))
     COMPILES.clear()
     got = ours.loglikelihood(requests("loglikelihood", pairs))
-    assert len(COMPILES) <= len(harness.widths(32)) == 2  # one scorer per width, whatever the number of requests
+    assert shared
+    # A scorer per width and one per width of shared contexts, whatever the number of requests.
+    assert len(COMPILES) <= len(scoring.score_widths(32)) + len(scoring.coarse_widths(32)) == 5
     want = theirs.loglikelihood(requests("loglikelihood", pairs))
     for pair, (logp, greedy), (hf_logp, hf_greedy) in zip(pairs, got, want):
         assert abs(logp - hf_logp) <= 1e-4 and greedy == hf_greedy, pair
