@@ -36,7 +36,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxgpt.config import RunConfig, TrainConfig
-from jaxgpt.kernels import choose_kernels
+from jaxgpt.kernels import Kernels, choose_kernels
 from jaxgpt.step import TrainState, init_state, train_step, window_length
 
 MESH_AXES = ("data", "fsdp")
@@ -146,17 +146,24 @@ def init_sharded_state(cfg: RunConfig, rng: jax.Array, mesh: Mesh) -> TrainState
     return jax.jit(partial(init_state, cfg), out_shardings=shardings)(rng)
 
 
-def sharded_train_step(cfg: RunConfig, mesh: Mesh, shardings: Any) -> Callable:
+def mesh_kernels(cfg: RunConfig, mesh: Mesh, kernels: Kernels | None = None) -> Kernels:
+    """`kernels` (default: those chosen for the model) for programs whose batch is split over `mesh`."""
+    return (kernels or choose_kernels(cfg.model)).on_mesh(mesh)
+
+
+def sharded_train_step(cfg: RunConfig, mesh: Mesh, shardings: Any, kernels: Kernels | None = None) -> Callable:
     """jit(train_step) with the state in `shardings` (donated) and the batch over all devices.
 
     Called as `step(state, batch_BW) -> (state, metrics)`; metrics come back replicated.
+    `kernels`: by default the ones chosen for the model, laid out for the mesh.
     """
+    kernels = mesh_kernels(cfg, mesh, kernels)
     return jax.jit(
-        partial(train_step, cfg),
+        partial(train_step, cfg, kernels=kernels),
         in_shardings=(shardings, batch_sharding(mesh)),
         out_shardings=(shardings, replicated(mesh)),
         donate_argnums=0,
-        compiler_options=choose_kernels(cfg.model).jit_options(),
+        compiler_options=kernels.jit_options(),
     )
 
 
