@@ -81,6 +81,11 @@ def measure_matmul_peak(n: int = 2048, repeats: int = 5, dtype: Any = jnp.float3
     return 2.0 * n**3 / median_time(lambda: matmul(a, b), repeats, min_repeat_s=0.0)
 
 
+def nominal_bf16_peak(device_kind: str) -> float | None:
+    """The dense bf16 peak FLOP/s of a known accelerator chip; None for any other device."""
+    return next((peak for name, peak in NOMINAL_BF16_PEAK if name in device_kind.lower()), None)
+
+
 def peak_flops(repeats: int = 5, dtype: str = "float32") -> tuple[float, str]:
     """(peak FLOP/s, where it came from): nominal bf16 for a known accelerator, else measured.
 
@@ -88,9 +93,9 @@ def peak_flops(repeats: int = 5, dtype: str = "float32") -> tuple[float, str]:
     twice the float32 rate, so bfloat16 runs are held against the bfloat16 peak.
     """
     kind = jax.devices()[0].device_kind
-    for name, peak in NOMINAL_BF16_PEAK:
-        if name in kind.lower():
-            return peak, f"nominal bf16 {kind}"
+    peak = nominal_bf16_peak(kind)
+    if peak is not None:
+        return peak, f"nominal bf16 {kind}"
     short = {"float32": "f32", "bfloat16": "bf16"}[dtype]
     return measure_matmul_peak(repeats=repeats, dtype=jnp.dtype(dtype)), f"measured {short} matmul 2048 ({kind})"
 

@@ -44,7 +44,7 @@ def cmd_dry_run(args: argparse.Namespace) -> int:
     mesh = parallel.make_mesh(cfg.train) if mode == "sharded" else None
     record.update({"mode": mode, "devices": jax.device_count(), **parallel.planned_memory(cfg, mesh)})
     if args.compile:
-        record["compiled"] = parallel.aot_compile(cfg, mesh or parallel.make_mesh(cfg.train, jax.devices()[:1]))
+        record["compiled"] = parallel.aot_compile(cfg, parallel.planning_mesh(cfg))
     print(json.dumps(record))
     return 0
 

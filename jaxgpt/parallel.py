@@ -26,6 +26,7 @@ Many processes (`jaxgpt.distributed`): each feeds its own rows of the global bat
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from functools import partial
 from typing import Any, Callable, Sequence
@@ -36,7 +37,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxgpt.config import RunConfig, TrainConfig
-from jaxgpt.kernels import choose_kernels
+from jaxgpt.kernels import Kernels, choose_kernels
 from jaxgpt.step import TrainState, init_state, train_step, window_length
 
 MESH_AXES = ("data", "fsdp")
@@ -146,17 +147,24 @@ def init_sharded_state(cfg: RunConfig, rng: jax.Array, mesh: Mesh) -> TrainState
     return jax.jit(partial(init_state, cfg), out_shardings=shardings)(rng)
 
 
-def sharded_train_step(cfg: RunConfig, mesh: Mesh, shardings: Any) -> Callable:
+def mesh_kernels(cfg: RunConfig, mesh: Mesh, kernels: Kernels | None = None) -> Kernels:
+    """`kernels` (default: those chosen for the model) for programs whose batch is split over `mesh`."""
+    return (kernels or choose_kernels(cfg.model)).on_mesh(mesh)
+
+
+def sharded_train_step(cfg: RunConfig, mesh: Mesh, shardings: Any, kernels: Kernels | None = None) -> Callable:
     """jit(train_step) with the state in `shardings` (donated) and the batch over all devices.
 
     Called as `step(state, batch_BW) -> (state, metrics)`; metrics come back replicated.
+    `kernels`: by default the ones chosen for the model, laid out for the mesh.
     """
+    kernels = mesh_kernels(cfg, mesh, kernels)
     return jax.jit(
-        partial(train_step, cfg),
+        partial(train_step, cfg, kernels=kernels),
         in_shardings=(shardings, batch_sharding(mesh)),
         out_shardings=(shardings, replicated(mesh)),
         donate_argnums=0,
-        compiler_options=choose_kernels(cfg.model).jit_options(),
+        compiler_options=kernels.jit_options(),
     )
 
 
@@ -301,14 +309,16 @@ _MEMORY_FIELDS = {
 }
 
 
-def aot_compile(cfg: RunConfig, mesh: Mesh, compiler_options: dict[str, Any] | None = None
-                ) -> dict[str, Any]:
+def aot_compile(cfg: RunConfig, mesh: Mesh, compiler_options: dict[str, Any] | None = None,
+                kernels: Kernels | None = None) -> dict[str, Any]:
     """Lower and compile the sharded train step from shapes alone (nothing is allocated or run).
 
     Returns the per-device memory figures of XLA's `memory_analysis()` (None where the backend
-    gives none), `total_bytes` = arguments + outputs - aliased (donated) + temporaries, and the
-    lowering and compile seconds: an out-of-memory check before the hardware is there.
-    `compiler_options` are passed to XLA (e.g. {"xla_backend_optimization_level": 0}).
+    gives none), `total_bytes` = arguments + outputs - aliased (donated) + temporaries,
+    `device_bytes` (what a device has, None where it does not say) and the lowering and compile
+    seconds: an out-of-memory check before the hardware is there.
+    `compiler_options` are passed to XLA (e.g. {"xla_backend_optimization_level": 0}); `kernels`
+    default to the ones chosen for the model.
     """
     fsdp = mesh.shape["fsdp"]
     _check_batch(cfg.train, mesh.shape["data"], fsdp)
@@ -320,7 +330,7 @@ def aot_compile(cfg: RunConfig, mesh: Mesh, compiler_options: dict[str, Any] | N
     batch = jax.ShapeDtypeStruct((cfg.train.batch_size, window_length(cfg.model)), jnp.int32,
                                  sharding=batch_sharding(mesh))
     start = time.perf_counter()
-    lowered = sharded_train_step(cfg, mesh, shardings).lower(state, batch)
+    lowered = sharded_train_step(cfg, mesh, shardings, kernels).lower(state, batch)
     lowered_at = time.perf_counter()
     compiled = lowered.compile(compiler_options=compiler_options)
     done = time.perf_counter()
@@ -337,6 +347,49 @@ def aot_compile(cfg: RunConfig, mesh: Mesh, compiler_options: dict[str, Any] | N
     parts = [result[k] for k in ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes")]
     result["total_bytes"] = (None if None in parts
                              else parts[0] + parts[1] - parts[2] + parts[3])
+    result["device_bytes"] = device_memory_bytes(jax.local_devices()[0])  # every chip of a mesh is alike
     result["lower_s"] = lowered_at - start
     result["compile_s"] = done - lowered_at
     return result
+
+
+def device_memory_bytes(device: jax.Device) -> int | None:
+    """The memory a device gives its programs (an accelerator's HBM); None where it does not say (a CPU)."""
+    try:
+        stats = device.memory_stats()
+    except (NotImplementedError, RuntimeError, AttributeError):
+        return None
+    return int(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
+
+
+def planning_mesh(cfg: RunConfig) -> Mesh:
+    """The mesh `cfg` trains on here, for planning: its sharded mesh, or the first device alone."""
+    if resolve_mode(cfg.train, jax.device_count()) == "sharded":
+        return make_mesh(cfg.train)
+    return make_mesh(cfg.train, jax.devices()[:1])
+
+
+def largest_fitting_batch(cfg: RunConfig, batches: Sequence[int], device_bytes: int | None = None,
+                          headroom: float = 0.9) -> tuple[int, dict[str, Any]]:
+    """The largest of `batches` (global) whose train step, compiled ahead of time, needs at most
+    `headroom` of a device's memory (default: what the devices report), with its `aot_compile`
+    report. Tried largest first, so a batch that fits costs one compile."""
+    limit = device_bytes or device_memory_bytes(jax.local_devices()[0])
+    if limit is None:
+        raise ValueError("this backend reports no device memory: pass device_bytes")
+    needs = {}
+    for batch in sorted(batches, reverse=True):
+        sized = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_size=batch))
+        try:
+            report = aot_compile(sized, planning_mesh(sized))
+        except RuntimeError as error:  # an accelerator's compiler refuses a program beyond its memory
+            if "RESOURCE_EXHAUSTED" not in str(error):
+                raise
+            needs[batch] = "more than the device"
+            continue
+        if report["total_bytes"] is None:
+            raise ValueError("this backend reports no compiled sizes")
+        if report["total_bytes"] <= headroom * limit:
+            return batch, report
+        needs[batch] = f"{report['total_bytes']:,} bytes of {limit:,}"
+    raise ValueError(f"no batch fits {headroom:.0%} of the device: " + ", ".join(f"{b}: {n}" for b, n in needs.items()))

@@ -22,7 +22,6 @@ from jax.sharding import Mesh
 from jaxgpt import parallel
 from jaxgpt.checkpoint import on_one_device
 from jaxgpt.config import RunConfig
-from jaxgpt.kernels import choose_kernels
 from jaxgpt.model import Params
 from jaxgpt.step import TrainState, compile_steps, eval_step, init_state, state_from_params
 
@@ -111,10 +110,11 @@ class Sharded(SingleDevice):
 
     def compile(self) -> tuple[Callable, Callable]:
         train_fn = parallel.sharded_train_step(self.cfg, self.mesh, self.shardings)
-        eval_fn = jax.jit(functools.partial(eval_step, self.cfg),
+        kernels = parallel.mesh_kernels(self.cfg, self.mesh)
+        eval_fn = jax.jit(functools.partial(eval_step, self.cfg, kernels=kernels),
                           in_shardings=(self.shardings.params, parallel.batch_sharding(self.mesh)),
                           out_shardings=parallel.replicated(self.mesh),
-                          compiler_options=choose_kernels(self.cfg.model).jit_options())
+                          compiler_options=kernels.jit_options())
         return train_fn, eval_fn
 
     def init_state(self, rng: jax.Array) -> TrainState:

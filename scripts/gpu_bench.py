@@ -28,50 +28,28 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import gzip
-import importlib.metadata
 import json
 import os
-import platform
 import subprocess
 import sys
-import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from jaxgpt.bench import NOMINAL_BF16_PEAK, median_time  # noqa: E402
-from jaxgpt.config import RunConfig, load_config  # noqa: E402
-from jaxgpt.data import window_length  # noqa: E402
-from jaxgpt.generate import generate  # noqa: E402
-from jaxgpt.kernels import PORTABLE, Kernels, choose_kernels  # noqa: E402
-from jaxgpt.metrics import flops_per_token  # noqa: E402
-from jaxgpt.model import init_params, unstack_blocks  # noqa: E402
-from jaxgpt.step import init_state, train_step  # noqa: E402
+from chip_bench import (CONFIG, ROOT, SMOKE, Records, Variant, decode_records as chip_decode_records,  # noqa: E402
+                        stored_params, table as chip_table, time_train_step, variant_kernels, versions)
+from jaxgpt.config import load_config  # noqa: E402
+from jaxgpt.kernels import choose_kernels  # noqa: E402
+from jaxgpt.model import unstack_blocks  # noqa: E402
 
-CONFIG = ROOT / "experiments/gpt2_124m.toml"
-SMOKE = ["model.vocab_size=256", "model.context_length=64", "model.d_model=64", "model.n_layers=2",
-         "model.n_heads=4", "train.batch_size=4"]
 COMMAND_BUFFERS = "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE"
-
-
-@dataclasses.dataclass(frozen=True)
-class Variant:
-    name: str
-    overrides: tuple[str, ...] = ()
-    plain_head: bool = False  # the head's logits, then the cross-entropy (the fused head-loss off)
-    portable: bool = False  # the portable kernels: XLA's attention, the plain head
-    unroll: bool = False  # the scanned layer stack unrolled (`Kernels.scan_unroll`), params as they are
-    options: tuple[tuple[str, Any], ...] = ()  # XLA options added to the kernels' own
-
+PACKAGES = ("orbax-checkpoint", "chex", "torch", "transformers")
 
 # In order of what the run must not miss if the budget runs out.
 VARIANTS = (
@@ -87,68 +65,15 @@ VARIANTS = (
 )
 
 
-def versions() -> dict[str, Any]:
-    out = {"python": platform.python_version(), "devices": [str(d) for d in jax.devices()],
-           "device_kind": jax.devices()[0].device_kind, "backend": jax.default_backend()}
-    for package in ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "chex", "torch", "transformers"):
-        try:
-            out[package] = importlib.metadata.version(package)
-        except importlib.metadata.PackageNotFoundError:
-            out[package] = None
-    return out
-
-
-def nominal_peak() -> float | None:
-    kind = jax.devices()[0].device_kind.lower()
-    return next((peak for name, peak in NOMINAL_BF16_PEAK if name in kind), None)
-
-
-def variant_kernels(cfg: RunConfig, variant: Variant) -> Kernels:
-    kernels = PORTABLE if variant.portable else choose_kernels(cfg.model)
-    if variant.plain_head:
-        kernels = dataclasses.replace(kernels, head_loss=None)
-    if variant.unroll:
-        kernels = dataclasses.replace(kernels, scan_unroll=cfg.model.n_layers)
-    return dataclasses.replace(kernels, compiler_options=kernels.compiler_options + variant.options)
-
-
 def train_variant(base: list[str], variant: Variant, repeats: int, reference: dict | None,
                   profile_dir: Path | None = None) -> list[dict[str, Any]]:
     """The variant's record; with `profile_dir`, then a profile of three more of its steps."""
     cfg = load_config(CONFIG, [*base, *variant.overrides])
-    kernels = variant_kernels(cfg, variant)
-    state = init_state(cfg, jax.random.key(0))
-    B, T = cfg.train.batch_size, cfg.model.context_length
-    batch = jax.random.randint(jax.random.key(1), (B, window_length(cfg.model)), 0, cfg.model.vocab_size)
-    step = jax.jit(lambda s, b: train_step(cfg, s, b, kernels=kernels), donate_argnums=0,
-                   compiler_options=kernels.jit_options())
-    started = time.perf_counter()
-    lowered = step.lower(state, batch)
-    compiled = lowered.compile()
-    compile_s = time.perf_counter() - started
-    holder = [state]
-
-    def call():
-        holder[0], metrics = compiled(holder[0], batch)
-        return metrics["loss"]
-
-    seconds = median_time(call, repeats, min_repeat_s=0.5)
-    loss = float(call())
-    memory = compiled.memory_analysis()
-    peak = nominal_peak()
-    tokens_per_s = B * T / seconds
-    record = {
-        "mode": "train", "variant": variant.name, "framework": "jaxgpt", "kernels": kernels.name,
-        "head_loss": "fused" if kernels.head_loss else "plain", "options": dict(kernels.compiler_options),
-        "dtype": cfg.model.dtype, "remat": cfg.model.remat, "batch": B, "context": T,
-        "step_ms": seconds * 1e3, "tokens_per_s": tokens_per_s,
-        "mfu": tokens_per_s * flops_per_token(cfg.model) / peak if peak else None,
-        "compile_s": compile_s, "loss": loss, "cudnn_attention": "cudnn$fmha" in lowered.as_text(),
-        "temp_bytes": getattr(memory, "temp_size_in_bytes", None),
-        "argument_bytes": getattr(memory, "argument_size_in_bytes", None),
-    }
+    kernels = variant_kernels(choose_kernels(cfg.model), cfg, variant)
+    record, _, lowered, call = time_train_step(cfg, kernels, repeats)
+    record = {**record, "variant": variant.name, "cudnn_attention": "cudnn$fmha" in lowered.as_text()}
     if reference and reference.get("tokens_per_s"):
-        record["vs_torch"] = tokens_per_s / reference["tokens_per_s"]
+        record["vs_torch"] = record["tokens_per_s"] / reference["tokens_per_s"]
     if profile_dir is None:
         return [record]
     with jax.profiler.trace(str(profile_dir), create_perfetto_trace=True):
@@ -181,25 +106,12 @@ def decode_records(base: list[str], batches: tuple[int, ...], new_tokens: int, l
                    every_way: bool = True) -> list[dict[str, Any]]:
     """Greedy decoding's tokens/s at each batch size: the params as stored, and (`every_way`) with
     bfloat16 matmul weights and with the layers unrolled. Every way decodes the same prompts."""
-    model = load_config(CONFIG, base).model
-    params = init_params(model, jax.random.key(0))
-    rng = np.random.default_rng(0)
-    records = []
+    model, params = stored_params(base)
     unrolled = dataclasses.replace(model, scan_layers=False)
     ways = (("as stored", model, params), ("bf16 matmul weights", model, bf16_matmul_weights(params)),
             ("layers unrolled", unrolled, unstack_blocks(params, model)))[: 3 if every_way else 1]
-    prompts = {B: rng.integers(0, model.vocab_size, (B, 16)).tolist() for B in batches}
-    for weights, m, p in ways:
-        for B in batches:
-            run = lambda: generate(p, m, prompts[B], new_tokens, temperature=0.0)
-            start = time.perf_counter()
-            first = run()
-            first_s = time.perf_counter() - start
-            seconds = median_time(run, 3, min_repeat_s=0.0)
-            records.append({"mode": "decode", "variant": f"{label}, {weights}", "batch": B, "new_tokens": new_tokens,
-                            "tokens_per_s": B * new_tokens / seconds, "ms_per_token": seconds / new_tokens * 1e3,
-                            "first_call_s": first_s, "first_row": first[0][:8]})
-    return records
+    return [record for weights, m, p in ways
+            for record in chip_decode_records(m, p, batches, new_tokens, f"{label}, {weights}")]
 
 
 def decode_with_flags(args: argparse.Namespace, flags: str) -> list[dict[str, Any]]:
@@ -248,31 +160,8 @@ def summarise_trace(trace_dir: Path, top: int = 12) -> dict[str, Any]:
                      "share": total[name] / overall if overall else None} for name in ranked]}
 
 
-def _fmt(value: Any, digits: int = 1) -> str:
-    if value is None:
-        return ""
-    if isinstance(value, float):
-        return f"{value:,.{digits}f}"
-    return str(value)
-
-
 def table(records: list[dict[str, Any]]) -> str:
-    lines = ["| what | batch | step ms | tokens/s | MFU | vs torch | temp GB | compile s |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for r in records:
-        if r.get("mode") == "train":
-            name = r["variant"] if r.get("framework") in (None, "jaxgpt") else f"{r['variant']} ({r['framework']})"
-            temp = r.get("temp_bytes") or r.get("peak_bytes")
-            lines.append(f"| {name} | {_fmt(r.get('batch'))} | {_fmt(r.get('step_ms'))} | "
-                         f"{_fmt(r.get('tokens_per_s'), 0)} | "
-                         f"{_fmt(r['mfu'] * 100 if r.get('mfu') else None)}{'%' if r.get('mfu') else ''} | "
-                         f"{_fmt(r.get('vs_torch'), 3)} | {_fmt(temp / 1e9 if temp else None, 2)} | "
-                         f"{_fmt(r.get('compile_s'))} |" if "error" not in r else f"| {name} | error: {r['error']} |")
-    lines += ["", "| decoding | batch | tokens/s | ms a token |", "| --- | ---: | ---: | ---: |"]
-    for r in records:
-        if r.get("mode") == "decode":
-            lines.append(f"| {r['variant']} | {_fmt(r.get('batch'))} | {_fmt(r.get('tokens_per_s'), 0)} | "
-                         f"{_fmt(r.get('ms_per_token'), 3)} |" if "error" not in r else f"| {r['variant']} | error: {r['error']} |")
+    lines = [chip_table(records, ("vs torch", "vs_torch"))]
     for r in records:
         if r.get("mode") == "profile" and "top" in r:
             lines += ["", f"profile of {r['variant']} ({r['steps']} steps, {r['source']}, {r['total_ms']:,.1f} ms):",
@@ -303,44 +192,22 @@ def main() -> None:
             print(json.dumps(record), flush=True)
         return
 
-    started = time.perf_counter()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    records: list[dict[str, Any]] = []
-    sink = (out / "records.jsonl").open("w", encoding="utf-8")
-
-    def emit(record: dict[str, Any]) -> None:
-        record = {**record, "elapsed_s": round(time.perf_counter() - started, 1)}
-        records.append(record)
-        sink.write(json.dumps(record) + "\n")
-        sink.flush()
-        print(json.dumps(record), flush=True)
-
+    records = Records(Path(args.out))
     reference = torch_reference(args)  # before JAX allocates the GPU's memory
-    emit({"mode": "versions", **versions()})
-    emit(reference)
+    records.emit({"mode": "versions", **versions(PACKAGES)})
+    records.emit(reference)
     wanted = [v for v in VARIANTS if v.name in args.variants.split(",")]
     for number, variant in enumerate(wanted):
-        if time.perf_counter() - started > args.budget_s:
-            emit({"mode": "train", "variant": variant.name, "error": f"skipped: past --budget-s {args.budget_s:.0f}"})
-            continue
-        try:
-            for record in train_variant(base, variant, args.repeats, reference, out / "profile" if number == 0 else None):
-                emit(record)
-        except Exception as error:  # one failing variant (out of memory, say) must not end the run
-            emit({"mode": "train", "variant": variant.name, "error": f"{type(error).__name__}: {str(error)[:300]}"})
-        gc.collect()  # the variant's state and program go before the next one's
-    try:
-        for record in decode_records(base, batches, new_tokens, "default XLA flags"):
-            emit(record)
-    except Exception as error:
-        emit({"mode": "decode", "variant": "default XLA flags", "error": f"{type(error).__name__}: {str(error)[:300]}"})
+        profile = Path(args.out) / "profile" if number == 0 else None
+        records.each("train", variant.name, lambda: train_variant(base, variant, args.repeats, reference, profile),
+                     args.budget_s)
+    records.each("decode", "default XLA flags", lambda: decode_records(base, batches, new_tokens, "default XLA flags"),
+                 float("inf"))
     if jax.default_backend() == "gpu":
         for record in decode_with_flags(args, COMMAND_BUFFERS):
-            emit(record)
-    sink.close()
-    print(f"\n{versions()['device_kind']}, jax {versions()['jax']}, {time.perf_counter() - started:.0f} s\n")
-    print(table(records))
+            records.emit(record)
+    print(f"\n{jax.devices()[0].device_kind}, jax {jax.__version__}, {records.elapsed():.0f} s\n")
+    print(table(records.all))
 
 
 if __name__ == "__main__":

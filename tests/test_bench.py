@@ -181,6 +181,24 @@ def test_gpu_bench_times_a_variant_with_its_kernels_and_options_then_profiles_it
     assert "| plain head, no fusion | 4 |" in gpu_bench.table([record])
 
 
+def test_tpu_bench_smoke_runs_the_tpu_set_in_interpret_mode_and_writes_its_records(tmp_path, capsys) -> None:
+    tpu_bench = _script("tpu_bench")
+    tpu_bench.main(["--smoke", "--out", str(tmp_path), "--repeats", "1", "--new-tokens", "2",
+                    "--variants", "tpu, batch 32;portable, batch 32"])
+    records = [json.loads(line) for line in (tmp_path / "records.jsonl").read_text().splitlines()]
+    assert [r["mode"] for r in records] == ["versions", "train", "train", "decode", "decode"]
+    assert records[0]["interpret"] is True
+    tpu, portable = records[1:3]
+    assert (tpu["kernels"], tpu["splash"], tpu["head_loss"]) == ("tpu-interpret", True, "fused")
+    assert (portable["kernels"], portable["splash"], portable["head_loss"]) == ("xla", False, "plain")
+    for r in (tpu, portable):  # batch 32 / 8 in smoke runs; the CPU reports no HBM and has no nominal peak
+        assert r["batch"] == 4 and r["context"] == 128 and r["mfu"] is None and r["device_bytes"] is None
+        assert _finite_positive(r["step_ms"], r["tokens_per_s"], r["compile_s"], r["temp_bytes"], r["first_loss"])
+    assert abs(tpu["first_loss"] - portable["first_loss"]) < 1e-2  # the same first step, in bfloat16
+    assert [(r["batch"], r["new_tokens"]) for r in records[3:]] == [(1, 2), (4, 2)]
+    assert "| tpu, batch 32 | 4 |" in capsys.readouterr().out
+
+
 def test_gpu_bench_profile_summary_reads_the_device_streams(tmp_path) -> None:
     # The layout of jax.profiler's perfetto trace on a GPU: a /device: process whose stream
     # threads hold the kernels (other threads repeat them as XLA ops and modules).

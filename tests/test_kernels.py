@@ -76,7 +76,7 @@ def test_tuned_kernels_equal_the_portable_ones(combo):
 def test_choice_follows_backend_dtype_and_the_switch():
     assert choose_kernels(BASE, "cpu").name == "cpu"
     assert choose_kernels(dataclasses.replace(BASE, dtype="bfloat16"), "cpu").name == "cpu-bf16"
-    assert choose_kernels(BASE, "tpu") is PORTABLE
+    assert choose_kernels(BASE, "tpu", interpret=True).name == "tpu-interpret"
     for backend in ("cpu", "gpu", "tpu"):
         assert choose_kernels(dataclasses.replace(BASE, kernels="xla"), backend) is PORTABLE
 

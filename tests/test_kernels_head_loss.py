@@ -93,19 +93,18 @@ def test_the_124m_train_step_no_longer_holds_the_float32_logits():
     assert plain - chunked >= logits_bytes, (plain, chunked)
 
 
-def test_sharded_over_data_and_fsdp_the_fused_step_equals_one_devices(monkeypatch):
+def test_sharded_over_data_and_fsdp_the_fused_step_equals_one_devices():
     # The chunks slice T, so the batch axis keeps its sharding: 8 fake devices, data 2 x fsdp 4.
-    from jaxgpt import parallel, step
+    from jaxgpt import parallel
 
     assert jax.device_count() == 8
     cfg = RunConfig(model=BASE, train=TrainConfig(batch_size=8, steps=4, warmup_steps=0, fsdp=4, adam_eps=1e-4))
     batch = np.asarray(jax.random.randint(jax.random.key(3), (8, BASE.context_length + 1), 0, BASE.vocab_size))
     state = jax.device_get(init_state(cfg, jax.random.key(0)))
     want, want_metrics = jax.jit(lambda s, b: train_step(cfg, s, b, kernels=PORTABLE))(state, batch)
-    monkeypatch.setattr(step, "choose_kernels", lambda model: FUSED)
     mesh = parallel.make_mesh(cfg.train)
     shardings = parallel.state_shardings(mesh, parallel.state_shapes(cfg), 4)
-    sharded = parallel.sharded_train_step(cfg, mesh, shardings)
+    sharded = parallel.sharded_train_step(cfg, mesh, shardings, FUSED)
     got, got_metrics = sharded(jax.device_put(state, shardings), parallel.shard_batch(batch, mesh))
     np.testing.assert_allclose(got_metrics["loss"], want_metrics["loss"], rtol=1e-5)
     np.testing.assert_allclose(got_metrics["grad_norm"], want_metrics["grad_norm"], rtol=1e-5)

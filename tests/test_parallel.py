@@ -215,6 +215,19 @@ def test_aot_compile_reports_memory_without_running():
         assert report["total_bytes"] > 0
 
 
+def test_the_largest_batch_whose_compiled_step_fits_the_device_is_chosen():
+    cfg = load_config(None, [*CONFIGS["day1"], "train.parallel=single"])  # as on one chip
+    with pytest.raises(ValueError, match="reports no device memory"):  # a CPU does not say: before any compile
+        parallel.largest_fitting_batch(cfg, [16])
+    batch, largest = parallel.largest_fitting_batch(cfg, [16, 32], device_bytes=10**12)
+    assert batch == 32 and largest["device_bytes"] is None
+    # A device just too small for batch 32 takes 16, which needs less.
+    batch, smaller = parallel.largest_fitting_batch(cfg, [32, 16], device_bytes=int((largest["total_bytes"] - 1) / 0.9))
+    assert batch == 16 and 0 < smaller["total_bytes"] < largest["total_bytes"]
+    with pytest.raises(ValueError, match=f"no batch fits 90% of the device: 16: {smaller['total_bytes']:,} bytes of 1,000"):
+        parallel.largest_fitting_batch(cfg, [16], device_bytes=1000)
+
+
 def test_distributed_initialization_follows_the_environment(monkeypatch):
     for name in ("JAX_COORDINATOR_ADDRESS", "COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID",
                  "TPU_WORKER_HOSTNAMES", "CLOUD_TPU_TASK_ID", "JAXGPT_DISTRIBUTED",

@@ -5,9 +5,10 @@
 
 `model.kernels = "auto"` picks the set tuned for the backend and compute dtype: the CPU's
 (`cpu`: float32 or bfloat16-operand matmuls, blocked and tiled attention), the GPU's (`gpu`:
-cuDNN attention), the portable ones elsewhere (TPU). `"xla"` forces the portable ones (`xla`)
-everywhere. A tuned set whose kernels fail to compile for the model's shapes is replaced by
-the portable one, with one warning line saying why.
+cuDNN attention) and the TPU's (`tpu`: Pallas splash attention), both with the head fused with
+its loss; the portable ones elsewhere. `"xla"` forces the portable ones (`xla`) everywhere. A tuned
+set whose kernels fail to compile for the model's shapes is replaced by the portable one, with
+one warning line saying why.
 """
 
 from __future__ import annotations
@@ -36,8 +37,9 @@ def _first_line(error: BaseException) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def choose_kernels(model: ModelConfig, backend: str | None = None) -> Kernels:
-    """The kernels for `model` on `backend` (default: JAX's default backend)."""
+def choose_kernels(model: ModelConfig, backend: str | None = None, *, interpret: bool = False) -> Kernels:
+    """The kernels for `model` on `backend` (default: JAX's default backend). `interpret`: Pallas
+    kernels in interpret mode, so that the TPU's set runs on a CPU (tests, smoke runs)."""
     if model.kernels == "xla":
         return PORTABLE
     backend = backend or jax.default_backend()
@@ -49,14 +51,22 @@ def choose_kernels(model: ModelConfig, backend: str | None = None) -> Kernels:
         from jaxgpt.kernels import gpu
 
         return usable(gpu.KERNELS, model)
+    if backend == "tpu":
+        from jaxgpt.kernels import tpu
+
+        # Probed at the whole context: the kernel's blocks follow the sequence length.
+        return usable(tpu.kernels(interpret=interpret), model, COMPILE_ERRORS + tpu.LOWERING_ERRORS,
+                      probe_length=model.context_length)
     return PORTABLE
 
 
-def usable(kernels: Kernels, model: ModelConfig) -> Kernels:
+def usable(kernels: Kernels, model: ModelConfig, errors: tuple[type[BaseException], ...] = COMPILE_ERRORS,
+           probe_length: int = 256) -> Kernels:
     """`kernels` if its attention compiles, forward and backward, at the model's head shape
-    (one sequence of up to 256 positions); else the portable kernels, with one warning line."""
+    (one sequence of up to `probe_length` positions); else the portable kernels, with one warning
+    line. `errors`: what compiling raises where the kernel cannot run."""
     dtype = jnp.bfloat16 if model.dtype == "bfloat16" else jnp.float32
-    T, H, K, D = min(model.context_length, 256), model.n_heads, model.kv_heads, model.head_size
+    T, H, K, D = min(model.context_length, probe_length), model.n_heads, model.kv_heads, model.head_size
     q = jax.ShapeDtypeStruct((1, T, H, D), dtype)
     kv = jax.ShapeDtypeStruct((1, T, K, D), dtype)
 
@@ -65,7 +75,7 @@ def usable(kernels: Kernels, model: ModelConfig) -> Kernels:
 
     try:
         jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv).compile()
-    except COMPILE_ERRORS as error:
+    except errors as error:
         log.warning("jaxgpt: %s kernels unavailable (%s); using the portable xla kernels",
                     kernels.name, _first_line(error))
         return PORTABLE

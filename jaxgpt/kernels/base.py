@@ -7,6 +7,7 @@ operation it runs is a field of the `Kernels` it is handed. Shapes follow the le
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -40,7 +41,17 @@ class Kernels:
     # XLA options for the programs that run these kernels (`jax.jit(compiler_options=...)`): the
     # backend's measured defaults, as (name, value) pairs.
     compiler_options: tuple[tuple[str, Any], ...] = ()
+    # The attention for a program whose batch is split over a device mesh: (mesh) -> attention.
+    # For kernels XLA cannot partition (Pallas), which must run per device inside `shard_map`.
+    # None: `attention` as it is, partitioned by XLA.
+    mesh_attention: Callable[[Any], Callable[..., Any]] | None = None
 
     def jit_options(self) -> dict[str, Any] | None:
         """`compiler_options` as `jax.jit` takes them."""
         return dict(self.compiler_options) or None
+
+    def on_mesh(self, mesh: Any) -> Kernels:
+        """These kernels for a program whose batch rows are split over every axis of `mesh`."""
+        if self.mesh_attention is None:
+            return self
+        return dataclasses.replace(self, attention=self.mesh_attention(mesh))

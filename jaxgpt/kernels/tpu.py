@@ -1,0 +1,133 @@
+"""The TPU kernels: Pallas splash attention for the training pass, the head fused with its loss.
+
+XLA's attention writes the [B, H, T, T] scores and probabilities to HBM, forward and backward.
+Splash attention (`jax.experimental.pallas.ops.tpu.splash_attention`, the kernel MaxText trains
+with) computes them block by block on chip, skips the blocks above the causal diagonal, and keeps
+only q, k, v, the output and a log-sum-exp per row for the backward pass. Here:
+
+* It runs the causal training pass from `SPLASH_MIN_CONTEXT` positions on (MaxText's threshold:
+  below it one block is mostly padding). Evaluation, the prefill and cached decoding take the
+  portable attention, which is what MaxText decodes with too.
+* Grouped KV heads go through the kernel's own forms: its MHA form with K KV heads (the query
+  heads of a group consecutive, as `jaxgpt.layers` lays them out), its MQA form for one.
+* Blocks: T is padded up to a multiple of 128 (the TPU's lanes); the block is the largest
+  multiple of 128 up to `MAX_BLOCK` (MaxText's 512, clipped to the sequence) that divides it.
+  Padded keys come after every real query, so the causal mask hides them; padded queries' rows
+  are dropped. The queries are scaled by D^-1/2 first: the kernel does not scale.
+* Under a device mesh (`Kernels.on_mesh`) the kernel runs per device inside `shard_map` over the
+  batch axes: XLA's partitioner cannot split a Pallas kernel.
+
+`kernels(interpret=True)` runs the Pallas kernels in interpret mode, which the CPU can run: the
+tests prove the set equal to the portable one there (tests/test_kernels_tpu.py). A TPU that
+cannot take the kernel (an older generation, a head size it refuses) or a jax without it makes
+`jaxgpt.kernels.usable` fall back to the portable set with one warning line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from jaxgpt.kernels import xla
+from jaxgpt.kernels.base import Kernels
+from jaxgpt.kernels.head_loss import mean_head_loss
+
+try:  # the kernel's home in jax; a jax without it leaves the set unusable, not unimportable
+    from jax.experimental.pallas import tpu as pltpu
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash_kernel
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
+
+    SPLASH_MISSING: str | None = None
+except Exception as error:  # ImportError, or an AttributeError raised inside an older Pallas
+    pltpu = splash_kernel = splash_mask = None
+    SPLASH_MISSING = f"splash attention does not import ({type(error).__name__}: {error})"
+
+SPLASH_MIN_CONTEXT = 128
+LANES = 128
+MAX_BLOCK = 512
+# What the probe (`jaxgpt.kernels.usable`) takes as "this kernel cannot run here", beside the
+# errors every backend raises: Pallas' lowering refusals of a shape or a TPU generation.
+LOWERING_ERRORS: tuple[type[BaseException], ...] = tuple(
+    error for error in [getattr(pltpu, "LoweringException", None)] if isinstance(error, type))
+
+
+def splash_layout(T: int, max_block: int = MAX_BLOCK) -> tuple[int, int]:
+    """(padded length, block) for a sequence of T positions."""
+    padded = -(-T // LANES) * LANES
+    block = next(b for b in range(min(max_block, padded) // LANES * LANES, 0, -LANES) if padded % b == 0)
+    return padded, block
+
+
+@functools.lru_cache(maxsize=None)
+def _splash(padded: int, block: int, heads: int, mqa: bool, interpret: bool) -> Callable[..., Any]:
+    """The causal kernel for one sequence: (q [H, T, D], k and v [K, T, D], or [T, D] for MQA)."""
+    mask = splash_mask.MultiHeadMask([splash_mask.CausalMask((padded, padded)) for _ in range(heads)])
+    sizes = splash_kernel.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
+                                     block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block,
+                                     block_kv_dq=block)
+    make = splash_kernel.make_splash_mqa if mqa else splash_kernel.make_splash_mha
+    # `interpret` only when asked for: a jax whose kernel lacks the flag still runs on a TPU.
+    flags = {"interpret": True} if interpret else {}
+    # The kernel holds its block tables as arrays, made here concrete, not as tracers of the
+    # trace that first asks for it (it is cached and serves later traces too).
+    with jax.ensure_compile_time_eval():
+        return make(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, **flags)
+
+
+def splash_attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, *, interpret: bool = False,
+                     max_block: int = MAX_BLOCK) -> jax.Array:
+    """Causal attention through the splash kernel: `xla.attention`'s result, [B, T, H, D]."""
+    if SPLASH_MISSING:
+        raise NotImplementedError(SPLASH_MISSING)
+    B, T, H, D = q_BTHD.shape
+    K = k_BTKD.shape[2]
+    padded, block = splash_layout(T, max_block)
+    kernel = _splash(padded, block, H, K == 1, interpret)
+
+    def heads_major(x_BTND: jax.Array) -> jax.Array:  # [B, T, N, D] -> [B, N, padded, D]
+        return jnp.pad(x_BTND, ((0, 0), (0, padded - T), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
+
+    q_BHTD = heads_major(q_BTHD * jnp.asarray(D**-0.5, q_BTHD.dtype))
+    k_BKTD, v_BKTD = heads_major(k_BTKD), heads_major(v_BTKD)
+    if K == 1:
+        k_BKTD, v_BKTD = k_BKTD[:, 0], v_BKTD[:, 0]
+    out_BHTD = jax.vmap(kernel)(q_BHTD, k_BKTD, v_BKTD)
+    return out_BHTD.transpose(0, 2, 1, 3)[:, :T]
+
+
+def _per_device(attend: Callable[..., Any], mesh: Any) -> Callable[..., Any]:
+    """`attend` run by each device on its rows of the batch, split over every axis of `mesh`."""
+    spec = PartitionSpec(tuple(mesh.axis_names))
+    if hasattr(jax, "shard_map"):  # jax 0.6.1 on; before, only the experimental one
+        return jax.shard_map(attend, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec, check_vma=False)
+    from jax.experimental.shard_map import shard_map
+
+    return shard_map(attend, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec, check_rep=False)
+
+
+def attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, *, train: bool = False,
+              remat: bool = False, interpret: bool = False, max_block: int = MAX_BLOCK,
+              mesh: Any = None) -> jax.Array:
+    """Splash attention for a training pass from `SPLASH_MIN_CONTEXT` positions on, else XLA's;
+    with `mesh`, each device runs the kernel on its share of the batch."""
+    if not train or q_BTHD.shape[1] < SPLASH_MIN_CONTEXT:
+        return xla.attention(q_BTHD, k_BTKD, v_BTKD)
+    attend = functools.partial(splash_attention, interpret=interpret, max_block=max_block)
+    return (attend if mesh is None else _per_device(attend, mesh))(q_BTHD, k_BTKD, v_BTKD)
+
+
+@functools.lru_cache(maxsize=None)
+def kernels(interpret: bool = False, max_block: int = MAX_BLOCK) -> Kernels:
+    """The TPU set; `interpret`: the Pallas kernels in interpret mode (the CPU runs them)."""
+    attend = functools.partial(attention, interpret=interpret, max_block=max_block)
+    return dataclasses.replace(
+        xla.KERNELS, name="tpu-interpret" if interpret else "tpu", attention=attend, head_loss=mean_head_loss,
+        mesh_attention=lambda mesh: functools.partial(attend, mesh=mesh))
+
+
+KERNELS = kernels()
