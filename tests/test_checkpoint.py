@@ -447,3 +447,29 @@ def test_a_reader_logs_nothing_when_a_checkpoint_vanishes_under_it(reference, tm
     finally:
         absl.removeHandler(handler)
     assert logged == []
+
+
+def test_a_restore_whose_reads_fail_together_logs_none_of_their_errors(caplog):
+    """Damage fails many of a restore's reads; Orbax raises the first and closes its loop. A read
+    that fails as the loop stops never reaches gather's callback: its error must not print when its
+    task is collected."""
+    import asyncio
+    import gc
+
+    from orbax.checkpoint._src.asyncio_utils import run_sync
+
+    from jaxgpt.checkpoint import _loops_that_finish_their_tasks
+
+    async def read(turns: int) -> None:
+        for _ in range(turns):  # each read fails a turn of the loop later than the one before
+            await asyncio.sleep(0)
+        raise ValueError("DATA_LOSS")
+
+    async def restore(reads: int) -> None:
+        await asyncio.gather(*(read(turns) for turns in range(reads)))
+
+    for reads in range(1, 9):  # one of these counts ends a read in the loop's last turn
+        with _loops_that_finish_their_tasks(), pytest.raises(ValueError, match="DATA_LOSS"):
+            run_sync(restore(reads))
+        gc.collect()
+    assert [r.getMessage() for r in caplog.records if r.name == "asyncio"] == []
