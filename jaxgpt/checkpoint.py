@@ -79,7 +79,19 @@ class _ClosingLoop(asyncio.SelectorEventLoop):
     Orbax runs a restore's reads as tasks on a fresh loop and closes the loop as soon as one read
     fails; the others are still in flight in tensorstore, and each one's completion then reaches
     the closed loop and prints a traceback ("Event loop is closed"). Cancelling them does not stop
-    tensorstore's reads; letting them end (their results dropped) does, while the loop still runs."""
+    tensorstore's reads; letting them end (their results dropped) does, while the loop still runs.
+    The reads that failed beside the first one are the same damage: their errors are marked seen,
+    or each would print "Task exception was never retrieved" when it is collected."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._tasks: list[asyncio.Task] = []
+        self.set_task_factory(self._recorded_task)
+
+    def _recorded_task(self, loop: asyncio.AbstractEventLoop, coro, **kwargs) -> asyncio.Task:
+        task = asyncio.Task(coro, loop=loop, **kwargs)
+        self._tasks.append(task)
+        return task
 
     def close(self) -> None:
         while not self.is_closed() and not self.is_running():
@@ -87,6 +99,10 @@ class _ClosingLoop(asyncio.SelectorEventLoop):
             if not pending:
                 break
             self.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        for task in self._tasks:
+            if task.done() and not task.cancelled():
+                task.exception()  # marks it retrieved: the restore has raised the first one
+        self._tasks.clear()
         super().close()
 
     def call_soon_threadsafe(self, callback, *args, context=None):  # type: ignore[override]

@@ -259,18 +259,16 @@ def writing(run: Path) -> bool:
     return folder.is_dir() and any("tmp" in p.name for p in folder.iterdir())
 
 
-@pytest.mark.parametrize("moment", ["during the first checkpoint write", "after two checkpoints", "mid-run"])
+# The second moment falls after the newest checkpoint, while the run trains on.
+@pytest.mark.parametrize("moment", ["during the first checkpoint write", "after two checkpoints"])
 def test_sigkill_at_any_moment_then_resume_is_bitwise_identical(reference, corpus, tmp_path, moment):
     _, ref_state, _ = reference
     run = tmp_path / "run"
     process = run_cli(corpus, run)
     if moment == "during the first checkpoint write":
         assert wait_for(lambda: writing(run) or checkpoint_steps(run))
-    elif moment == "after two checkpoints":
-        assert wait_for(lambda: len(checkpoint_steps(run)) >= 2)
     else:
-        assert wait_for(lambda: (run / "metrics.jsonl").is_file()
-                        and len((run / "metrics.jsonl").read_text().splitlines()) >= 14)
+        assert wait_for(lambda: len(checkpoint_steps(run)) >= 2)
     process.send_signal(signal.SIGKILL)
     process.wait()
     resumed = run_cli(corpus, run, "--resume")
@@ -447,3 +445,29 @@ def test_a_reader_logs_nothing_when_a_checkpoint_vanishes_under_it(reference, tm
     finally:
         absl.removeHandler(handler)
     assert logged == []
+
+
+def test_a_restore_whose_reads_fail_together_logs_none_of_their_errors(caplog):
+    """Damage fails many of a restore's reads; Orbax raises the first and closes its loop. A read
+    that fails as the loop stops never reaches gather's callback: its error must not print when its
+    task is collected."""
+    import asyncio
+    import gc
+
+    from orbax.checkpoint._src.asyncio_utils import run_sync
+
+    from jaxgpt.checkpoint import _loops_that_finish_their_tasks
+
+    async def read(turns: int) -> None:
+        for _ in range(turns):  # each read fails a turn of the loop later than the one before
+            await asyncio.sleep(0)
+        raise ValueError("DATA_LOSS")
+
+    async def restore(reads: int) -> None:
+        await asyncio.gather(*(read(turns) for turns in range(reads)))
+
+    for reads in range(1, 9):  # one of these counts ends a read in the loop's last turn
+        with _loops_that_finish_their_tasks(), pytest.raises(ValueError, match="DATA_LOSS"):
+            run_sync(restore(reads))
+        gc.collect()
+    assert [r.getMessage() for r in caplog.records if r.name == "asyncio"] == []
