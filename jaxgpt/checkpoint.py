@@ -293,6 +293,12 @@ def _to_stderr(message: str) -> None:
 def load_run(run_dir: str | Path, warn: Callable[[str], None] = _to_stderr) -> tuple[ModelConfig, Params]:
     """The model config and params of the newest good checkpoint in a run directory, read without
     writing anything there (a trainer may be writing to it)."""
+    cfg, params, _ = load_newest(run_dir, warn)
+    return cfg, params
+
+
+def load_newest(run_dir: str | Path, warn: Callable[[str], None] = _to_stderr) -> tuple[ModelConfig, Params, int]:
+    """`load_run`, and the step of the checkpoint it read."""
     cfg = load_run_config(run_dir)
     like = on_one_device(jax.eval_shape(lambda: init_state(cfg, jax.random.key(0))))
     checkpointer = Checkpointer(Path(run_dir), keep=cfg.train.keep_checkpoints, read_only=True)
@@ -302,4 +308,5 @@ def load_run(run_dir: str | Path, warn: Callable[[str], None] = _to_stderr) -> t
         checkpointer.close()
     if found is None:
         raise FileNotFoundError(f"no good checkpoint in {RunDir(run_dir).checkpoints}")
-    return cfg.model, found[0].params
+    state, manifest = found
+    return cfg.model, state.params, manifest["step"]

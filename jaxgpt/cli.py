@@ -128,6 +128,13 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    if args.tasks is not None:
+        return _eval_tasks(args)
+    harness_only = [flag for flag, value in (("--include-path", args.include_path), ("--limit", args.limit),
+                    ("--num-fewshot", args.num_fewshot), ("--batch-size", args.batch_size), ("--out", args.out))
+                    if value is not None]
+    if harness_only:
+        raise ValueError(f"{harness_only[0]} applies to harness tasks: name them with --tasks")
     import dataclasses
 
     import functools
@@ -149,6 +156,32 @@ def cmd_eval(args: argparse.Namespace) -> int:
     result = evaluate(lambda batch: loss(params, batch), cfg, data)
     print(json.dumps({"loss": result["val_loss"], "perplexity": result["val_perplexity"],
                       "bits_per_byte": result["val_bits_per_byte"], "batches": cfg.train.eval_batches}))
+    return 0
+
+
+def _eval_tasks(args: argparse.Namespace) -> int:
+    from jaxgpt.config import names_list
+
+    if args.data is not None or args.batches is not None:
+        raise ValueError("--data and --batches set the validation loss; --tasks runs harness tasks: use one or the other")
+    names = names_list(args.tasks, "--tasks")
+    if not names:
+        raise ValueError("--tasks names no task")
+    if args.num_fewshot is not None and args.num_fewshot < 0:
+        raise ValueError(f"--num-fewshot {args.num_fewshot}: the number of examples cannot be negative")
+    from jaxgpt.harness import DEFAULT_BATCH_SIZE, HarnessLM, results_json, results_table, run_tasks, task_manager, task_record
+    from jaxgpt.metrics import MetricsWriter
+
+    manager = task_manager(names, args.include_path)  # before the checkpoint is read: a typo costs nothing
+    lm = HarnessLM.from_run(args.run, batch_size=DEFAULT_BATCH_SIZE if args.batch_size is None else args.batch_size)
+    results = run_tasks(lm, names, manager=manager, limit=args.limit, num_fewshot=args.num_fewshot)
+    print(results_table(results))
+    with MetricsWriter(Path(args.run)) as writer:
+        writer.write(task_record(results, lm.step))
+    if args.out:
+        from jaxgpt.rundir import write_atomic
+
+        write_atomic(args.out, results_json(results))
     return 0
 
 
@@ -321,10 +354,23 @@ def build_parser() -> argparse.ArgumentParser:
                          "tokenizer.json the tokenizer, under --config and --set")
     tr.set_defaults(func=cmd_train, handles_signals=True)
 
-    ev = _command(sub, "eval", "validation loss, perplexity and bits per byte of a run")
+    ev = _command(sub, "eval", "validation loss of a run, or lm-evaluation-harness tasks on it",
+                  "Validation loss, perplexity and bits per byte of a run's newest checkpoint (JSON); with "
+                  "--tasks, lm-evaluation-harness tasks on it (pip install 'jaxgpt[eval]'): the harness's "
+                  "table, an eval_tasks record in the run's metrics")
     ev.add_argument("--run", required=True, help="a run directory")
     ev.add_argument("--data", help="evaluate on another data source with the run's tokenizer")
     ev.add_argument("--batches", type=int, help="number of val batches (default: train.eval_batches)")
+    ev.add_argument("--tasks", metavar="NAME[,NAME...]",
+                    help="harness tasks, groups or tags: the harness's own (from the Hugging Face hub) or "
+                         "--include-path's")
+    ev.add_argument("--include-path", metavar="DIR",
+                    help="a folder of task YAML files, e.g. experiments/tasks (local JSONL files, offline)")
+    ev.add_argument("--limit", type=int, metavar="N", help="the first N documents of each task (default: all)")
+    ev.add_argument("--num-fewshot", type=int, metavar="K", help="examples before each document (default: the task's)")
+    ev.add_argument("--batch-size", type=int, metavar="N",
+                    help="requests per forward pass (default: 16)")
+    ev.add_argument("--out", metavar="FILE", help="also write the harness's results as JSON to FILE")
     ev.set_defaults(func=cmd_eval)
 
     gen = _command(sub, "generate", "sample text from a run, streamed as it is produced")

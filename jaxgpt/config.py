@@ -171,10 +171,20 @@ class TrainConfig:
     keep_checkpoints: int = 3
     parallel: str = "auto"
     fsdp: int = 1
+    # lm-evaluation-harness tasks on the live parameters, logged beside the val loss (jaxgpt[eval]):
+    eval_tasks: str = ""  # task names, comma-separated; "" runs none
+    eval_tasks_every: int | None = None  # None: at every eval_every steps
+    eval_tasks_path: str = ""  # a folder of task YAML files, as `jaxgpt eval --include-path` takes
+    eval_tasks_limit: int = 0  # documents per task; 0: all of them
 
     def __post_init__(self) -> None:
         s = "train"
         _finite(s, self)
+        if self.eval_tasks_every is None:
+            object.__setattr__(self, "eval_tasks_every", self.eval_every)
+        names_list(self.eval_tasks, "train.eval_tasks")
+        _positive(s, self, "eval_tasks_every")
+        _positive(s, self, "eval_tasks_limit", allow_zero=True)
         _positive(s, self, "steps", "batch_size", "grad_accum", "lr", "muon_lr", "log_every", "eval_every")
         _positive(s, self, "eval_batches", "checkpoint_every", "keep_checkpoints", "fsdp", "adam_eps")
         _positive(s, self, "min_lr", "warmup_steps", "weight_decay", "clip_norm", "sample_tokens",
@@ -191,6 +201,16 @@ class TrainConfig:
                 f"train.batch_size = {self.batch_size} is not divisible by "
                 f"train.grad_accum = {self.grad_accum}"
             )
+
+
+def names_list(text: str, what: str) -> tuple[str, ...]:
+    """The names of a comma-separated list ("" holds none); an empty name is an error naming `what`."""
+    if not text.strip():
+        return ()
+    names = tuple(name.strip() for name in text.split(","))
+    if not all(names):
+        raise ConfigError(f"{what} = {text!r} has an empty name: separate names with single commas")
+    return names
 
 
 @dataclass(frozen=True)

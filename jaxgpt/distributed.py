@@ -95,6 +95,20 @@ def barrier(name: str) -> None:
         multihost_utils.sync_global_devices(name)
 
 
+# How long the other processes wait while the writer works alone (harness tasks take minutes).
+WRITER_WORK_S = 6 * 3600
+
+
+def wait_for_writer(name: str) -> None:
+    """Wait until every process, the writer among them, reaches `name` (a name used once), for up
+    to WRITER_WORK_S: the coordination service's barrier, which Orbax's checkpoints use too, not a
+    device collective, whose transport (gloo on the CPU) may give up sooner."""
+    if jax.process_count() > 1:
+        from jax._src import distributed as jax_distributed
+
+        jax_distributed.global_state.client.wait_at_barrier(name, WRITER_WORK_S * 1000)
+
+
 def writer_first(build: Callable[[], Any], name: str) -> Any:
     """`build()` run by the writer first, then by the others: what the writer caches on disk
     (a trained tokenizer, token files) the others then read instead of building it again."""

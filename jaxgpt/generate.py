@@ -7,7 +7,8 @@
 
 How a batch is decoded (each rule keeps one sequence's tokens independent of its batchmates):
 - Prompts (at most `context_length` tokens: a longer one is an error, not a silent crop) are
-  right-padded to a bucket (the next power of two, at most `context_length`) and prefilled together; each row's cache index is then
+  right-padded to a bucket (the next power of two, at most `context_length`, or the caller's
+  `prompt_width`) and prefilled together; each row's cache index is then
   set to its own length, so its later writes overwrite the padding (attention never reads keys
   past the query's position).
 - The decode loop is a `lax.while_loop` on device: one forward pass per iteration for every row,
@@ -304,6 +305,7 @@ def generate_tokens(
     speculative: bool = False,
     chunk: int | None = 16,
     stats: dict[str, Any] | None = None,
+    prompt_width: int | None = None,
 ) -> Iterator[np.ndarray]:
     """Yield the new token of each sequence, one position at a time, as numpy int32 arrays [B].
 
@@ -315,7 +317,10 @@ def generate_tokens(
     `speculative` (greedy only, needs `mtp_depth >= 1`): the MTP adapters draft the next
     `mtp_depth` tokens and one forward pass verifies them; the output equals plain greedy
     decoding. `stats`, if given, is filled at the end with forward_passes, drafted, accepted and
-    acceptance_rate. Bad arguments raise ValueError here, at the call, not at the first `next()`.
+    acceptance_rate. `prompt_width` sets the prefill's width (at least the longest prompt, at most
+    `context_length`; default: the longest prompt's power-of-two bucket), for a caller that keeps
+    its compiled shapes to a few of its own. Bad arguments raise ValueError here, at the call,
+    not at the first `next()`.
     """
     _check_options(temperature, top_k, top_p)
     rows = _check_prompts(cfg, prompts)
@@ -327,6 +332,10 @@ def generate_tokens(
         raise ValueError(f"vocab_limit must be in [1, {cfg.vocab_size}], got {vocab_limit!r}")
     if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
         raise ValueError(f"chunk must be an integer >= 1 or None, got {chunk!r}")
+    longest = max(len(row) for row in rows)
+    if prompt_width is not None and not longest <= prompt_width <= cfg.context_length:
+        raise ValueError(f"prompt_width must be in [{longest}, {cfg.context_length}] (the longest prompt, "
+                         f"model.context_length), got {prompt_width!r}")
     if speculative and cfg.mtp_depth < 1:
         raise ValueError("speculative decoding drafts with the MTP adapters: it needs model.mtp_depth >= 1")
     if speculative and temperature != 0:
@@ -335,18 +344,18 @@ def generate_tokens(
                    top_p=None if top_p is None else float(top_p), vocab_limit=vocab_limit,
                    draft=cfg.mtp_depth if speculative else 0)
     stop = np.int32(-1 if stop_token is None else stop_token)  # -1: no token ever equals it
-    return _decode_loop(params, rows, max_new_tokens, jax.random.key(seed), stop,
+    width = prompt_width or bucket_length(longest, cfg.context_length)
+    return _decode_loop(params, rows, width, max_new_tokens, jax.random.key(seed), stop,
                         chunk or max(max_new_tokens, 1), stats, options)
 
 
 def _decode_loop(
-    params: Params, rows: list[np.ndarray], max_new_tokens: int, key: jax.Array, stop: np.int32,
+    params: Params, rows: list[np.ndarray], P: int, max_new_tokens: int, key: jax.Array, stop: np.int32,
     chunk: int, stats: dict[str, Any] | None, options: dict[str, Any],
 ) -> Iterator[np.ndarray]:
     cfg: ModelConfig = options["cfg"]
-    S, B = cfg.context_length, len(rows)
+    B = len(rows)
     lengths = np.array([len(r) for r in rows], np.int32)
-    P = bucket_length(int(lengths.max()), S)
     padded = np.zeros((B, P), np.int32)
     for i, r in enumerate(rows):
         padded[i, : len(r)] = r

@@ -145,7 +145,7 @@ def _export_llama(cfg: ModelConfig, p: Params) -> tuple[dict[str, Any], dict[str
 
 # What an export writes. With `force`, these files of an earlier export are replaced or removed,
 # so that no stale one (a tokenizer of another run) is left beside the new weights.
-EXPORT_FILES = ("config.json", WEIGHTS, "tokenizer.json", "tokenizer_config.json")
+EXPORT_FILES = ("config.json", WEIGHTS, "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
 def check_export_dir(out_dir: str | Path, force: bool = False) -> Path:
@@ -177,9 +177,16 @@ def _tokenizer_config(end_of_text: tuple[str, int] | None, context_length: int) 
     config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": context_length,
                               "clean_up_tokenization_spaces": False, "add_bos_token": False,
                               "add_eos_token": False}
-    if end_of_text is not None:  # as GPT-2's <|endoftext|> does, it begins, ends and pads texts
-        config.update(bos_token=end_of_text[0], eos_token=end_of_text[0], unk_token=end_of_text[0])
-    return config
+    return {**config, **_special_tokens(end_of_text)}
+
+
+def _special_tokens(end_of_text: tuple[str, int] | None) -> dict[str, str]:
+    """special_tokens_map.json: as GPT-2's <|endoftext|> does, the end-of-text token begins, ends
+    and stands in for unknown texts (the harness's `hf` backend reads eos_token to stop and to
+    start an empty context)."""
+    if end_of_text is None:
+        return {}
+    return {"bos_token": end_of_text[0], "eos_token": end_of_text[0], "unk_token": end_of_text[0]}
 
 
 def export_hf(cfg: ModelConfig, params: Params, out_dir: str | Path, *, tokenizer: str | Path | None = None,
@@ -210,4 +217,6 @@ def export_hf(cfg: ModelConfig, params: Params, out_dir: str | Path, *, tokenize
         shutil.copyfile(tokenizer, out / "tokenizer.json")
         tokenizer_config = _tokenizer_config(end_of_text, cfg.context_length)
         (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n", encoding="utf-8")
+        (out / "special_tokens_map.json").write_text(json.dumps(_special_tokens(end_of_text), indent=2) + "\n",
+                                                     encoding="utf-8")
     return out

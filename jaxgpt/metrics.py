@@ -1,6 +1,6 @@
 """Run metrics: JSONL and TensorBoard writers, loss plots, tokens/s, FLOPs per token and MFU.
 
-A record is a JSON object with a `type` (train, eval, sample, summary) and a `step`.
+A record is a JSON object with a `type` (train, eval, eval_tasks, sample, summary) and a `step`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from jaxgpt.config import ModelConfig
 from jaxgpt.events import EventWriter
 from jaxgpt.rundir import RunDir, atomic_file, write_atomic
 
-RECORD_TYPES = ("train", "eval", "sample", "summary")
+RECORD_TYPES = ("train", "eval", "eval_tasks", "sample", "summary")
 
 
 def _plain(value: Any) -> Any:
@@ -53,7 +53,9 @@ def _drop_partial_last_line(path: Path) -> None:
 class MetricsWriter:
     """Appends records to run_dir/metrics.jsonl and their numbers to run_dir/tensorboard.
 
-    Every JSONL line is flushed as it is written, so a crash loses no finished record.
+    Every JSONL line is written and flushed in one call, so a crash loses no finished record, and
+    another writer of the same run (`jaxgpt eval --tasks` while it trains) puts its lines between
+    whole ones.
     `enabled=False` (every process but 0 in a multi-host run) validates records and writes nothing.
     """
 

@@ -3,7 +3,7 @@
     runs/a/
       config.toml      the resolved config, written before the first step
       tokenizer.json   the run's tokenizer (a resumed run keeps it)
-      metrics.jsonl    one JSON record per line: train, eval, sample, summary
+      metrics.jsonl    one JSON record per line: train, eval, eval_tasks, sample, summary
       checkpoints/     Orbax checkpoints, one folder per saved step
       tensorboard/     TensorBoard event files of the metrics' numbers
       loss.png         train and val loss against step, redrawn when a run ends

@@ -14,7 +14,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 from tqdm.auto import tqdm
@@ -30,11 +30,15 @@ from jaxgpt.rundir import RunDir, write_atomic
 from jaxgpt.runtime import Runtime, make_runtime
 from jaxgpt.step import TrainState
 
-# Keys a resumed run may change freely: how long it runs, how often it reports, and how it is laid
-# out on devices (the numbers do not depend on it beyond float rounding).
+if TYPE_CHECKING:  # imported when a run asks for tasks: the harness is an extra
+    from jaxgpt.harness import TrainingTasks
+
+# Keys a resumed run may change freely: how long it runs, how often and on what it reports, and how
+# it is laid out on devices (the numbers do not depend on it beyond float rounding).
 RUN_LENGTH_KEYS = ("train.steps", "train.eval_every", "train.eval_batches", "train.checkpoint_every",
                    "train.log_every", "train.keep_checkpoints", "train.sample_tokens", "train.parallel",
-                   "train.fsdp")
+                   "train.fsdp", "train.eval_tasks", "train.eval_tasks_every", "train.eval_tasks_path",
+                   "train.eval_tasks_limit")
 
 
 class TrainingDiverged(ValueError):
@@ -148,6 +152,11 @@ def _train(cfg: RunConfig, out_dir: str | Path, *, resume: bool, force: bool, pr
         print(f"note: the char tokenizer has {data.tokenizer.vocab_size} tokens (the corpus's distinct "
               f"characters and the end-of-text token); model.vocab_size = {cfg.model.vocab_size} leaves "
               f"{cfg.model.vocab_size - data.tokenizer.vocab_size} embedding rows unused", file=sys.stderr)
+    tasks = None
+    if cfg.train.eval_tasks:  # checked here: an unknown task stops the run before anything is written
+        from jaxgpt.harness import TrainingTasks
+
+        tasks = TrainingTasks(cfg.train, data.tokenizer)
     signals.check()
     runtime = make_runtime(cfg)
     if init_from is not None and not (resume and has_checkpoints):
@@ -174,7 +183,7 @@ def _train(cfg: RunConfig, out_dir: str | Path, *, resume: bool, force: bool, pr
             truncate_metrics(files.metrics, after_step=int(runtime.to_saved(state).step))
         with signals.handled() as stop:
             summary = _loop(cfg, run_dir, data, state, runtime, checkpointer, expected, stop,
-                            progress and main_process, main_process)
+                            progress and main_process, main_process, tasks)
     finally:
         checkpointer.close()
     if main_process:
@@ -193,7 +202,7 @@ def _check_out_dir(run_dir: Path) -> None:
 
 def _loop(cfg: RunConfig, run_dir: Path, data: RunData, state: TrainState, runtime: Runtime,
           checkpointer: Checkpointer, expected: dict[str, Any], stop: signals.StopRequest, progress: bool,
-          main_process: bool) -> dict[str, Any]:
+          main_process: bool, tasks: TrainingTasks | None) -> dict[str, Any]:
     start, total = int(runtime.to_saved(state).step), cfg.train.steps
     tokens_per_step = cfg.train.batch_size * cfg.model.context_length
     n_params = count_params(runtime.params(state))
@@ -229,7 +238,8 @@ def _loop(cfg: RunConfig, run_dir: Path, data: RunData, state: TrainState, runti
             stopping = vote.vote(stop.received or 0)
             at_eval = done % cfg.train.eval_every == 0 or done == total
             at_checkpoint = done % cfg.train.checkpoint_every == 0 or done == total or stopping
-            if at_eval or at_checkpoint:  # never evaluate or save a state whose loss was not checked
+            at_tasks = tasks is not None and tasks.due(done, total)
+            if at_eval or at_checkpoint or at_tasks:  # never evaluate or save a state whose loss was not checked
                 train_loss = _log_step(pending, cfg, writer, bar, throughput, run_dir, last_saved)
                 pending = None
             if at_eval:
@@ -241,6 +251,12 @@ def _loop(cfg: RunConfig, run_dir: Path, data: RunData, state: TrainState, runti
                 if main_process:
                     bar.write(f"step {done}: val loss {last_eval['val_loss']:.4f}, "
                               f"{last_eval['val_bits_per_byte']:.4f} bits/byte", file=sys.stderr)
+                throughput.reset()
+            if at_tasks:  # before the step's checkpoint: a run killed meanwhile redoes the step, tasks and all
+                record = tasks.run(runtime.params(state), cfg.model, done)
+                writer.write(record)
+                if main_process:
+                    bar.write(tasks.summary(record), file=sys.stderr)
                 throughput.reset()
             if at_checkpoint:
                 checkpointer.save(runtime.to_saved(state), expected)

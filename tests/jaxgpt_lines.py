@@ -8,6 +8,7 @@ JAXGPT_LINES = [re.compile(pattern) for pattern in (
     r"(single|pmap|sharded) on \d+ device\(s\).*",
     r"compiling the train step\.\.\.",
     r"step \d+: val loss \S+, \S+ bits/byte",
+    r"step \d+: \S+/\S+ \S+(, \S+/\S+ \S+)*",  # harness tasks' metrics
     r"resuming \S+ from step \d+",
     r"no checkpoint in \S+; starting fresh",
     r"checkpoint \S+ is damaged: .+; (moved to damaged-\d+(-\d+)?|skipped), falling back to the previous one",

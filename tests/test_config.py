@@ -100,11 +100,21 @@ def test_ffn_match_params_refuses_another_explicit_hidden_size():
     (["model.n_layers"], "must look like section.key=value"),
     (["train.optimizer=sgd"], "train.optimizer = 'sgd' is not one of adamw, muon"),
     (["train.muon_lr=0"], "train.muon_lr"),
+    (["train.eval_task=hellaswag"], "unknown config key train.eval_task (did you mean 'eval_tasks'?)"),
+    (["train.eval_tasks=hellaswag,,arc_easy"], "train.eval_tasks = 'hellaswag,,arc_easy' has an empty name"),
+    (["train.eval_tasks_every=0"], "train.eval_tasks_every = 0 must be > 0"),
+    (["train.eval_tasks_limit=-1"], "train.eval_tasks_limit = -1 must be >= 0"),
 ])
 def test_validation_names_the_key_and_why(overrides, message):
     with pytest.raises(ConfigError) as err:
         load_config(None, overrides)
     assert message in str(err.value)
+
+
+def test_eval_tasks_default_to_every_eval_and_take_bare_names():
+    cfg = load_config(None, ["train.eval_every=40", "train.eval_tasks=hellaswag, lambada_openai"])
+    assert cfg.train.eval_tasks_every == 40 and cfg.train.eval_tasks == "hellaswag, lambada_openai"
+    assert load_config(None, ["train.eval_tasks_every=7"]).train.eval_tasks_every == 7
 
 
 @pytest.mark.parametrize("make", [lambda: ModelConfig(norm_eps=float("nan")), lambda: DataConfig(val_fraction=math.inf),

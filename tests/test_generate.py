@@ -161,7 +161,7 @@ def _trained_mtp_model():
     chars = sorted(set(text))
     ids = np.array([chars.index(c) for c in text], np.int32)
     model = ModelConfig(vocab_size=len(chars), context_length=32, d_model=64, n_layers=2, n_heads=4, mtp_depth=2)
-    cfg = RunConfig(model=model, train=TrainConfig(steps=150, batch_size=16, lr=3e-3, warmup_steps=10))
+    cfg = RunConfig(model=model, train=TrainConfig(steps=100, batch_size=16, lr=3e-3, warmup_steps=10))
     state = init_state(cfg, jax.random.key(0))
     train_step, _ = compile_steps(cfg)
     rng = np.random.default_rng(0)

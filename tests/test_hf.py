@@ -341,6 +341,10 @@ TOKENIZER_TEXTS = ["The cat sat on the mat.", "  leading and trailing  ", "\n", 
 def test_exported_char_tokenizer_gives_the_runs_ids(exported_run):
     _, _, tokenizer, _, out, _, _, _ = exported_run
     auto = transformers.AutoTokenizer.from_pretrained(out)
+    # The end-of-text token is named where transformers and the harness's hf backend look for it.
+    assert auto.eos_token == "<|endoftext|>" and auto.eos_token_id == tokenizer.eot_id
+    assert json.loads((out / "special_tokens_map.json").read_text())["eos_token"] == "<|endoftext|>"
+    assert json.loads((out / "config.json").read_text())["eos_token_id"] == tokenizer.eot_id
     for text in TOKENIZER_TEXTS:
         ids = auto(text)["input_ids"]
         assert ids == tokenizer.encode(text).tolist(), repr(text)

@@ -81,7 +81,10 @@ def runs(tmp_path_factory, subprocess_compile_cache):
     found = {}
     for layout, n in RUNS:
         out = folder / f"{layout}-{n}"
-        sample = ["train.sample_tokens=4"] if (layout, n) == ("fsdp", 2) else []  # what one writer writes
+        # What one writer writes; the harness's tasks on parameters split over both processes.
+        sample = ["train.sample_tokens=4", "train.eval_tasks=jaxgpt_tiny_choice",
+                  f"train.eval_tasks_path={json.dumps(str(ROOT / 'experiments' / 'tasks'))}"] \
+            if (layout, n) == ("fsdp", 2) else []
         found[layout, n] = (out, _launch(n, out, corpus, cache, LAYOUTS[layout] + sample))
     for layout, before, after in RESUMES:
         out = _truncated_copy(found[layout, before][0], folder / f"{layout}-{before}to{after}")
@@ -114,6 +117,8 @@ def test_process_zero_alone_writes_the_run(runs):
     steps = [(r["type"], r["step"]) for r in records]
     assert len(steps) == len(set(steps))  # every record once, not once per process
     assert [r["step"] for r in records if r["type"] == "sample"] == [STEPS]
+    [tasks] = [r for r in records if r["type"] == "eval_tasks"]
+    assert tasks["step"] == STEPS and 0 <= tasks["jaxgpt_tiny_choice/acc"] <= 1
     assert len(list((run / "tensorboard").iterdir())) == 1
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [str(EVERY), str(STEPS)]
     assert stdout.count('"type": "summary"') == 1 and stdout.count("--- sample at step") == 1

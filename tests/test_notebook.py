@@ -134,7 +134,7 @@ def test_on_a_bare_runtime_it_installs_from_the_named_source_keeps_jax_and_train
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("def f(x):\n    return x + 1\n" * 400)
     run = tmp_path / "content" / "run"
-    result = _run(python, notebook, len(_code_cells()), JAXGPT_NOTEBOOK_STEPS="2", JAXGPT_NOTEBOOK_OUT=str(run),
+    result = _run(python, notebook, len(_code_cells()), JAXGPT_NOTEBOOK_STEPS="1", JAXGPT_NOTEBOOK_OUT=str(run),
                   JAXGPT_NOTEBOOK_DATA=str(corpus))
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
@@ -146,7 +146,7 @@ def test_on_a_bare_runtime_it_installs_from_the_named_source_keeps_jax_and_train
     jax_version, jax_file = out.split("JAX ", 1)[1].split("\n", 1)[0].split(" ", 1)
     assert jax_version == jax.__version__ and str(own_packages) not in jax_file
     summary = json.loads(out.split("SUMMARY ", 1)[1].splitlines()[0])
-    assert summary["step"] == 2 and summary["event"] == "end"
+    assert summary["step"] == 1 and summary["event"] == "end"
     assert str(run / "loss.png") in out.split("SHOWN", 1)[1]
     assert (run / "loss.png").stat().st_size > 0
 

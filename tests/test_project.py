@@ -39,12 +39,17 @@ def test_make_train_installs_only_what_training_needs_and_make_test_adds_the_tes
         line for line in train if "jaxgpt train" in line]  # installed: training starts at once
 
 
+def _names(deps: list[str]) -> set[str]:
+    return {dep.split(">")[0].split("=")[0].strip().lower() for dep in deps}
+
+
 def test_training_dependencies_hold_no_test_only_packages():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    core = {dep.split(">")[0].split("=")[0].split("[")[0].strip().lower() for dep in project["dependencies"]}
-    assert not core & {"torch", "transformers", "pytest", "hypothesis", "datasets"}
-    assert {"torch", "transformers", "pytest"} <= {
-        dep.split(">")[0].split("=")[0].strip().lower() for dep in project["optional-dependencies"]["test"]}
+    extras = project["optional-dependencies"]
+    core = {name.split("[")[0] for name in _names(project["dependencies"])}
+    assert not core & {"torch", "transformers", "pytest", "hypothesis", "datasets", "lm-eval"}
+    assert {"torch", "transformers", "pytest", "lm-eval[hf]"} <= _names(extras["test"])
+    assert _names(extras["eval"]) == {"lm-eval"}  # the harness without its PyTorch backend
 
 
 def test_a_stopped_make_train_continues_when_run_again(tmp_path):
