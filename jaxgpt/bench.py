@@ -30,6 +30,7 @@ from jaxgpt.config import ModelConfig, RunConfig
 from jaxgpt.kernels import PORTABLE, choose_kernels
 from jaxgpt.metrics import flops_per_token, mfu
 from jaxgpt.model import forward, init_params
+from jaxgpt.plan.programs import memory_figures
 
 MODES = ("train", "forward", "compile", "decode", "speculative")
 FORWARD_LENGTHS = (128, 256, 512, 1024, 2048)
@@ -130,7 +131,7 @@ def time_train_step(cfg: RunConfig, repeats: int, with_peak: bool = False) -> di
         holder[0], metrics = step(holder[0], batch)
         return metrics["loss"]
 
-    result = {"compile_s": compile_s, "temp_bytes": _memory(step).get("temp_bytes")}
+    result = {"compile_s": compile_s, "temp_bytes": memory_figures(step)["temp_bytes"]}
     if not with_peak:
         return {"seconds": median_time(call, repeats), **result}
     seconds, peaks = [], []
@@ -140,16 +141,6 @@ def time_train_step(cfg: RunConfig, repeats: int, with_peak: bool = False) -> di
         peaks.append(peak)
     return {"seconds": statistics.median(seconds), "peak_flops": statistics.median(peaks),
             "mfu_per_flop": statistics.median(1 / (s * p) for s, p in zip(seconds, peaks)), **result}
-
-
-def _memory(compiled: Any) -> dict[str, int]:
-    try:
-        memory = compiled.memory_analysis()
-    except (NotImplementedError, RuntimeError, AttributeError):
-        return {}
-    names = ("temp_size_in_bytes", "argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes")
-    return {name.replace("_size_in", ""): int(getattr(memory, name)) for name in names
-            if getattr(memory, name, None) is not None}
 
 
 def train_record(run: RunConfig, repeats: int) -> dict[str, Any]:
@@ -170,7 +161,7 @@ def train_record(run: RunConfig, repeats: int) -> dict[str, Any]:
 
 def bench_train(cfg: RunConfig, repeats: int) -> Iterator[dict[str, Any]]:
     """Each remat x dtype with the backend's kernels, then (where they differ) the portable ones."""
-    for remat in (False, True):
+    for remat in ("none", "full"):
         for dtype in ("float32", "bfloat16"):
             run = _with(cfg, remat=remat, dtype=dtype)
             yield train_record(run, repeats)
@@ -202,13 +193,14 @@ def bench_compile(cfg: RunConfig, repeats: int, depths: tuple[int, ...] = COMPIL
                   remat_shape: tuple[int, int, int] = (REMAT_LAYERS, REMAT_CONTEXT, REMAT_BATCH)
                   ) -> Iterator[dict[str, Any]]:
     """Train-step compile time and memory against depth (scanned and unrolled), then remat vs not."""
-    from jaxgpt.parallel import aot_compile, make_mesh
+    from jaxgpt.parallel import make_mesh
+    from jaxgpt.plan.programs import compile_train
 
     mesh = make_mesh(cfg.train, jax.devices()[:1])
     total = {}
     for scan in (True, False):
         for depth in depths:
-            result = aot_compile(_with(cfg, n_layers=depth, scan_layers=scan), mesh)
+            result = compile_train(_with(cfg, n_layers=depth, scan_layers=scan), mesh)
             total[scan, depth] = result["lower_s"] + result["compile_s"]
             yield {"mode": "compile", "layers": depth, "scan_layers": scan,
                    "compile_s": total[scan, depth], "lower_s": result["lower_s"],
@@ -219,15 +211,15 @@ def bench_compile(cfg: RunConfig, repeats: int, depths: tuple[int, ...] = COMPIL
     layers, context, batch = remat_shape
     base = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_size=batch, grad_accum=1))
     timed = {}
-    for remat in (False, True):
+    for remat in ("none", "full"):
         run = _with(base, n_layers=layers, context_length=context, remat=remat)
         timed[remat] = t = time_train_step(run, repeats)
         yield {"mode": "compile", "remat": remat, "layers": layers, "context": context,
                "batch": batch, "temp_bytes": t["temp_bytes"], "step_ms": t["seconds"] * 1e3,
                "tokens_per_s": batch * context / t["seconds"], "compile_s": t["compile_s"]}
     yield {"mode": "compile", "summary": "remat/no-remat", "layers": layers, "context": context,
-           "temp_ratio": timed[True]["temp_bytes"] / timed[False]["temp_bytes"],
-           "step_time_ratio": timed[True]["seconds"] / timed[False]["seconds"]}
+           "temp_ratio": timed["full"]["temp_bytes"] / timed["none"]["temp_bytes"],
+           "step_time_ratio": timed["full"]["seconds"] / timed["none"]["seconds"]}
 
 
 @functools.partial(jax.jit, static_argnames="model")

@@ -55,12 +55,20 @@ def build_parser() -> argparse.ArgumentParser:
     # them for the others.
     parser.set_defaults(handles_signals=False)
 
-    dry = _command(sub, "dry-run", "check a config: parameters, logits shape, device memory")
+    dry = _command(sub, "dry-run", "check a config: parameters, memory; --target: plan it for a chip",
+                   "Check a config: parameters, logits shape, device memory. With --target, compile its train, "
+                   "eval and sampling programs for that accelerator, on any machine (pip install "
+                   "'jaxgpt[targets]'), and say whether they fit its memory")
     _add_config_args(dry)
-    dry.add_argument("--batch-size", type=int, default=1)
+    dry.add_argument("--batch-size", type=int, default=1, help="rows of the logits-shape check (default 1)")
     dry.add_argument("--seq-len", type=int, default=None, help="default: model.context_length")
     dry.add_argument("--compile", action="store_true",
                      help="also compile the train step ahead of time for this mesh and report its memory")
+    dry.add_argument("--target", metavar="NAME",
+                     help="plan for an accelerator: v4-8, v5e-1, v5e-4, v5e-8, v5p-8, v6e-1, v6e-4, v6e-8 and larger "
+                          "slices; a100-N, h100-N, h200-N")
+    dry.add_argument("--fit", action="store_true",
+                     help="also find the largest global batch (train.batch_size) that fits the target's chips")
     dry.set_defaults(func=cmd_dry_run)
 
     pre = _command(sub, "prepare", "encode a data source into its token store, ahead of training",

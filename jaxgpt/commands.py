@@ -20,21 +20,30 @@ def cmd_dry_run(args: argparse.Namespace) -> int:
     from jaxgpt import parallel
     from jaxgpt.kernels import choose_kernels
     from jaxgpt.model import count_params, forward, init_params
+    from jaxgpt.plan import plan
+    from jaxgpt.plan.programs import planned_memory
 
     cfg = load_config(args.config, args.overrides)
+    if args.target is not None:
+        from jaxgpt.plan import target
+
+        target(args.target)  # an unknown name, before any work
     model = cfg.model
     seq_len = args.seq_len or model.context_length
     params = jax.eval_shape(lambda: init_params(model, jax.random.key(0)))
     tokens = jax.ShapeDtypeStruct((args.batch_size, seq_len), jnp.int32)
-    kernels = choose_kernels(model)
-    logits = jax.eval_shape(lambda p, t: forward(p, model, t, kernels=kernels), params, tokens)
+    logits = jax.eval_shape(lambda p, t: forward(p, model, t), params, tokens)
     record = {"config_sha256": cfg.fingerprint(), "parameters": count_params(params),
-              "logits_shape": list(logits.shape), "kernels": kernels.name}
-    mode = parallel.resolve_mode(cfg.train, jax.device_count())
-    mesh = parallel.make_mesh(cfg.train) if mode == "sharded" else None
-    record.update({"mode": mode, "devices": jax.device_count(), **parallel.planned_memory(cfg, mesh)})
-    if args.compile:
-        record["compiled"] = parallel.aot_compile(cfg, parallel.planning_mesh(cfg))
+              "logits_shape": list(logits.shape)}
+    if args.target is not None:
+        record.update(plan(cfg, args.target, fit=args.fit))
+    elif args.compile or args.fit:
+        record.update(plan(cfg, fit=args.fit, programs=("train",)))
+    else:
+        mode = parallel.resolve_mode(cfg.train, jax.device_count())
+        mesh = parallel.make_mesh(cfg.train) if mode == "sharded" else None
+        record.update({"kernels": choose_kernels(model).name, "mode": mode, "devices": jax.device_count(),
+                       **planned_memory(cfg, mesh)})
     print(json.dumps(record))
     return 0
 

@@ -42,6 +42,9 @@ def _positive(section: str, obj: Any, *names: str, allow_zero: bool = False) -> 
             raise ConfigError(f"{section}.{name} = {value!r} must be {bound}")
 
 
+REMAT_POLICIES = ("none", "dots", "full")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """The decoder. Defaults are the Day 1 baseline (541,952 parameters)."""
@@ -70,7 +73,11 @@ class ModelConfig:
     init_std: float = 0.02
     dtype: str = "float32"
     scan_layers: bool = True
-    remat: bool = False
+    # What a train step's backward pass recomputes instead of keeping from the forward pass:
+    # "none" (keeps every block's activations), "dots" (keeps the matmul outputs, recomputes the
+    # norms, activations and attention), "full" (keeps each block's input only). TOML false / true
+    # are "none" / "full". How the step runs, not what it computes: a run may change it on resume.
+    remat: str = field(default="none", metadata={"bool": ("none", "full")})
     kernels: str = "auto"  # "auto": tuned for the backend (jaxgpt.kernels); "xla": the portable ones
 
     def __post_init__(self) -> None:
@@ -78,6 +85,8 @@ class ModelConfig:
         _finite(s, self)
         if self.kv_heads is None:
             object.__setattr__(self, "kv_heads", self.n_heads)
+        if isinstance(self.remat, bool):
+            object.__setattr__(self, "remat", REMAT_POLICIES[2 if self.remat else 0])
         if self.ffn_match_params:
             matched = matched_hidden_size(self.d_model) if self.feed_forward == "swiglu" else 4 * self.d_model
             if self.hidden_size not in (None, matched):
@@ -97,6 +106,7 @@ class ModelConfig:
         _choice(s, "feed_forward", self.feed_forward, ("gelu", "swiglu"))
         _choice(s, "dtype", self.dtype, ("float32", "bfloat16"))
         _choice(s, "kernels", self.kernels, ("auto", "xla"))
+        _choice(s, "remat", self.remat, REMAT_POLICIES)
         if self.d_model % self.n_heads:
             raise ConfigError(
                 f"model.d_model = {self.d_model} is not divisible by model.n_heads = {self.n_heads}"
@@ -227,6 +237,7 @@ class RunConfig:
         data = self.to_dict()
         data["model"].pop("kernels")  # how the model is computed, not what: runs resume across it
         data["model"].pop("ffn_match_params")  # how hidden_size was chosen; the width itself is covered
+        data["model"].pop("remat")  # what the backward pass recomputes: the same numbers
         for dotted in exclude:
             section, key = dotted.split(".", 1)
             data[section].pop(key, None)
@@ -260,10 +271,13 @@ def _nearest(name: str, candidates: list[str]) -> str:
 _KIND_NAMES = {"int": "an integer", "float": "a number", "str": "a string", "bool": "true or false"}
 
 
-def _coerce(section: str, name: str, value: Any, annotation: str) -> Any:
-    """Check a TOML value against the field's annotation; ints are accepted for floats."""
+def _coerce(section: str, name: str, value: Any, spec: dataclasses.Field) -> Any:
+    """Check a TOML value against the field's annotation; ints are accepted for floats, and
+    true / false for a string key that names their meaning (`metadata["bool"]`)."""
     wanted = {"int": int, "float": float, "str": str, "bool": bool}
-    base = annotation.replace(" | None", "")
+    base = str(spec.type).replace(" | None", "")
+    if isinstance(value, bool) and "bool" in spec.metadata:
+        return spec.metadata["bool"][value]
     kind = wanted[base]
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
@@ -301,7 +315,7 @@ def build_config(raw: dict[str, Any]) -> RunConfig:
                 )
             if value is None:
                 continue
-            kwargs[key] = _coerce(section, key, value, str(known[key].type))
+            kwargs[key] = _coerce(section, key, value, known[key])
         sections[section] = SECTIONS[section](**kwargs)
     return RunConfig(**sections)
 

@@ -253,6 +253,36 @@ def _advance(
     return jax.lax.while_loop(unfinished, step, state)
 
 
+def buffer_size(cfg: ModelConfig, prompt_width: int, max_new_tokens: int, draft: int) -> int:
+    """The sequence buffer: room for the prompt, the new tokens, one block past the last and its
+    unused write, and at least one sliding window (the slide branch is compiled even when no row
+    will reach it), to the next power of two."""
+    return 1 << (max(prompt_width + max_new_tokens + 2 * (draft + 1), slide_length(cfg)) - 1).bit_length()
+
+
+def lower_decoding(params: Any, cfg: ModelConfig, *, batch: int = 1, prompt_width: int = 1,
+                   max_new_tokens: int = 200, temperature: float = 0.8, top_k: int | None = 40,
+                   top_p: float | None = None, placed: Any = None) -> dict[str, jax.stages.Lowered]:
+    """The two programs `generate_tokens` runs (the prefill, "start", and the decode loop,
+    "advance") for `batch` prompts of `prompt_width` tokens, lowered from shapes: `params` may be
+    `jax.ShapeDtypeStruct`s (with their shardings), and `placed` is the sharding of every other
+    argument (default: JAX's default device). Nothing is computed; a plan compiles them."""
+    options = dict(cfg=cfg, temperature=float(temperature), top_k=top_k, top_p=top_p, vocab_limit=None, draft=0)
+    size = buffer_size(cfg, prompt_width, max_new_tokens, 0)
+
+    def spec(shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(shape, dtype, **({} if placed is None else {"sharding": placed}))
+
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    key = spec(key.shape, key.dtype)
+    scalar = spec((), jnp.int32)
+    start_args = (params, spec((batch, prompt_width), jnp.int32), spec((batch,), jnp.int32), scalar, scalar, key)
+    state = jax.eval_shape(functools.partial(_start, size=size, **options), *start_args)
+    state = jax.tree_util.tree_map(lambda leaf: spec(leaf.shape, leaf.dtype), state)
+    return {"start": _start.lower(*start_args, size=size, **options),
+            "advance": _advance.lower(params, state, scalar, scalar, key, **options)}
+
+
 def bucket_length(length: int, context_length: int) -> int:
     """Prefill width: the next power of two, at most context_length (few shapes, few compiles)."""
     return min(1 << max(0, length - 1).bit_length(), context_length)
@@ -361,9 +391,7 @@ def _decode_loop(
         padded[i, : len(r)] = r
     if max_new_tokens == 0:
         return
-    # Room for the prompt, the new tokens, one block past the last and its unused write, and at
-    # least one sliding window (the slide branch is compiled even when no row will reach it).
-    size = 1 << (max(P + max_new_tokens + 2 * (options["draft"] + 1), slide_length(cfg)) - 1).bit_length()
+    size = buffer_size(cfg, P, max_new_tokens, options["draft"])
     state = _start(params, padded, lengths, np.int32(max_new_tokens), stop, key, size=size, **options)
     emitted = 0
     while True:

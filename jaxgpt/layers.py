@@ -42,22 +42,45 @@ def dense(cfg: ModelConfig, kernels: Kernels, features: int, name: str) -> nn.De
                     dot_general=kernels.dot_general, name=name)
 
 
+def recomputed(fn: Any, recompute: bool = True, prevent_cse: bool = True) -> Any:
+    """`fn` (elementwise work between matmuls) under `jax.checkpoint` when `recompute`
+    (`Kernels.recompute_elementwise`): the backward pass keeps only its inputs and recomputes its
+    float32 intermediates, which are several times their size (a LayerNorm's centred and scaled
+    copies, the tanh GELU's cube and tanh) and cheap to compute again. `prevent_cse` keeps XLA
+    from merging the recomputation away, which a scanned stack's loop does by itself
+    (model.scan_layers)."""
+    return jax.checkpoint(fn, prevent_cse=prevent_cse) if recompute else fn
+
+
+def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> jax.Array:
+    """GPT-2's LayerNorm in float32: biased variance over the last axis, gain and bias."""
+    x32 = x.astype(jnp.float32)
+    mean = x32.mean(-1, keepdims=True)
+    var = jnp.square(x32 - mean).mean(-1, keepdims=True)
+    return (x32 - mean) * jax.lax.rsqrt(var + eps) * scale + bias
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    """x divided by its root mean square over the last axis, in float32, times the gain."""
+    x32 = x.astype(jnp.float32)
+    return x32 * jax.lax.rsqrt(jnp.square(x32).mean(-1, keepdims=True) + eps) * scale
+
+
 class LayerNorm(nn.Module):
     """GPT-2's LayerNorm: biased variance over the features of one vector, learned gain and bias."""
 
     eps: float
     dtype: Any = jnp.float32
+    recompute: bool = True  # `recomputed`'s arguments
+    prevent_cse: bool = True
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         features = x.shape[-1]
         scale = self.param("scale", nn.initializers.ones, (features,), jnp.float32)
         bias = self.param("bias", nn.initializers.zeros, (features,), jnp.float32)
-        x32 = x.astype(jnp.float32)
-        mean = x32.mean(-1, keepdims=True)
-        var = jnp.square(x32 - mean).mean(-1, keepdims=True)
-        y = (x32 - mean) * jax.lax.rsqrt(var + self.eps)
-        return (y * scale + bias).astype(self.dtype)
+        norm = lambda x, scale, bias: layer_norm(x, scale, bias, self.eps).astype(self.dtype)
+        return recomputed(norm, self.recompute, self.prevent_cse)(x, scale, bias)
 
 
 class RMSNorm(nn.Module):
@@ -65,18 +88,20 @@ class RMSNorm(nn.Module):
 
     eps: float
     dtype: Any = jnp.float32
+    recompute: bool = True  # `recomputed`'s arguments
+    prevent_cse: bool = True
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), jnp.float32)
-        x32 = x.astype(jnp.float32)
-        y = x32 * jax.lax.rsqrt(jnp.square(x32).mean(-1, keepdims=True) + self.eps)
-        return (y * scale).astype(self.dtype)
+        norm = lambda x, scale: rms_norm(x, scale, self.eps).astype(self.dtype)
+        return recomputed(norm, self.recompute, self.prevent_cse)(x, scale)
 
 
 def make_norm(cfg: ModelConfig, kernels: Kernels, name: str | None = None) -> nn.Module:
     norm = LayerNorm if cfg.norm == "layernorm" else RMSNorm
-    return norm(eps=cfg.norm_eps, dtype=activation_dtype(cfg, kernels), name=name)
+    return norm(eps=cfg.norm_eps, dtype=activation_dtype(cfg, kernels), recompute=kernels.recompute_elementwise,
+                prevent_cse=not cfg.scan_layers, name=name)
 
 
 def rope_tables(positions_BT: jax.Array, head_size: int, scale: float, base: float) -> Rope:
@@ -134,7 +159,7 @@ class CausalSelfAttention(nn.Module):
             q_BTHD, k_BTKD = apply_rope(q_BTHD, rope), apply_rope(k_BTKD, rope)
 
         if kv is None:
-            out_BTHD = self.kernels.attention(q_BTHD, k_BTKD, v_BTKD, train=self.train, remat=cfg.remat)
+            out_BTHD = self.kernels.attention(q_BTHD, k_BTKD, v_BTKD, train=self.train, remat=cfg.remat != "none")
         else:
             out_BTHD = cached_attention(q_BTHD, kv, (k_BTKD, v_BTKD), index)
         kv = None if index is None else (k_BTKD, v_BTKD)
@@ -188,9 +213,11 @@ class FeedForward(nn.Module):
         cfg = self.cfg
         up_BTF = dense(cfg, self.kernels, cfg.hidden_size, "up")(x_BTC)
         if cfg.feed_forward == "swiglu":
-            h_BTF = nn.silu(dense(cfg, self.kernels, cfg.hidden_size, "gate")(x_BTC)) * up_BTF
+            gate_BTF = dense(cfg, self.kernels, cfg.hidden_size, "gate")(x_BTC)
+            h_BTF = recomputed(lambda gate, up: nn.silu(gate) * up, self.kernels.recompute_elementwise,
+                               not cfg.scan_layers)(gate_BTF, up_BTF)
         else:
-            h_BTF = self.kernels.gelu(up_BTF)
+            h_BTF = recomputed(self.kernels.gelu, self.kernels.recompute_elementwise, not cfg.scan_layers)(up_BTF)
         out = dense(cfg, self.kernels, cfg.d_model, "down")(h_BTF)
         return nn.Dropout(cfg.dropout)(out, deterministic=self.deterministic)
 

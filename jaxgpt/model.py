@@ -150,10 +150,13 @@ class Decoder(nn.Module):
 
 
 def _block_class(cfg: ModelConfig, kernels: Kernels) -> type[nn.Module]:
-    """The block, wrapped in `nn.remat` when its backward pass should recompute: the whole block
-    under `model.remat`; else, in a scanned stack, what the kernels' policy does not save."""
-    if cfg.remat:
+    """The block, wrapped in `nn.remat` when its backward pass should recompute (`model.remat`):
+    all of it ("full"), all but the matmul outputs ("dots"), or, in a scanned stack under "none",
+    what the kernels' policy does not save."""
+    if cfg.remat == "full":
         return nn.remat(TransformerBlock, prevent_cse=not cfg.scan_layers)
+    if cfg.remat == "dots":
+        return nn.remat(TransformerBlock, prevent_cse=not cfg.scan_layers, policy=kernels.dots_remat_policy)
     if cfg.scan_layers and kernels.scan_remat_policy is not None:
         return nn.remat(TransformerBlock, prevent_cse=False, policy=kernels.scan_remat_policy)
     return TransformerBlock

@@ -26,19 +26,16 @@ Many processes (`jaxgpt.distributed`): each feeds its own rows of the global bat
 
 from __future__ import annotations
 
-import dataclasses
-import time
 from functools import partial
 from typing import Any, Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxgpt.config import RunConfig, TrainConfig
 from jaxgpt.kernels import Kernels, choose_kernels
-from jaxgpt.step import TrainState, init_state, train_step, window_length
+from jaxgpt.step import TrainState, eval_step, init_state, train_step, window_length
 
 MESH_AXES = ("data", "fsdp")
 PMAP_AXIS = "batch"
@@ -49,7 +46,7 @@ MODES = ("single", "sharded", "pmap")
 # Mesh and mode
 
 
-def _check_batch(train: TrainConfig, data: int, fsdp: int) -> None:
+def check_batch(train: TrainConfig, data: int, fsdp: int) -> None:
     """Each micro-batch (batch_size // grad_accum rows) must split evenly over all devices."""
     micro = train.batch_size // train.grad_accum
     if micro % (data * fsdp):
@@ -75,7 +72,7 @@ def make_mesh(train: TrainConfig, devices: Sequence[jax.Device] | None = None) -
     if n % fsdp:
         raise ValueError(f"train.fsdp = {fsdp} does not divide the {n} available devices")
     data = n // fsdp
-    _check_batch(train, data, fsdp)
+    check_batch(train, data, fsdp)
     return Mesh(np.array(devices, dtype=object).reshape(data, fsdp), MESH_AXES)
 
 
@@ -168,6 +165,14 @@ def sharded_train_step(cfg: RunConfig, mesh: Mesh, shardings: Any, kernels: Kern
     )
 
 
+def sharded_eval_step(cfg: RunConfig, mesh: Mesh, param_shardings: Any, kernels: Kernels | None = None) -> Callable:
+    """jit(eval_step) with the params in `param_shardings` and the batch over all devices:
+    `evaluate(params, batch_BW) -> loss`, replicated."""
+    kernels = mesh_kernels(cfg, mesh, kernels)
+    return jax.jit(partial(eval_step, cfg, kernels=kernels), in_shardings=(param_shardings, batch_sharding(mesh)),
+                   out_shardings=replicated(mesh), compiler_options=kernels.jit_options())
+
+
 def shard_batch(batch_bW: np.ndarray, mesh: Mesh) -> jax.Array:
     """This process's rows of the global batch -> one global array split over the mesh.
 
@@ -247,7 +252,7 @@ def unreplicate(tree: Any) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------
-# Reporting and ahead-of-time compilation
+# Reporting (compiling ahead of time for memory: jaxgpt.plan)
 
 
 def _bytes_on(tree: Any, device: jax.Device) -> int:
@@ -277,119 +282,3 @@ def describe(mesh: Mesh, state: TrainState) -> dict[str, Any]:
         "params_bytes_per_device": _bytes_on(state.params, device),
         "opt_state_bytes_per_device": _bytes_on(state.opt_state, device),
     }
-
-
-def planned_memory(cfg: RunConfig, mesh: Mesh | None) -> dict[str, Any]:
-    """Bytes of params and optimiser state per device, from shapes alone (nothing allocated)."""
-    shapes = state_shapes(cfg)
-    if mesh is None:
-        shardings = jax.tree_util.tree_map(lambda _: None, shapes)
-    else:
-        shardings = state_shardings(mesh, shapes, mesh.shape["fsdp"])
-
-    def per_device(tree: Any, tree_shardings: Any) -> int:
-        total = 0
-        for leaf, sharding in zip(jax.tree_util.tree_leaves(tree), jax.tree_util.tree_leaves(
-                tree_shardings, is_leaf=lambda x: x is None)):
-            shape = leaf.shape if sharding is None else sharding.shard_shape(leaf.shape)
-            total += int(np.prod(shape)) * leaf.dtype.itemsize
-        return total
-
-    return {"mesh": None if mesh is None else {axis: int(size) for axis, size in mesh.shape.items()},
-            "params_bytes_per_device": per_device(shapes.params, shardings.params),
-            "opt_state_bytes_per_device": per_device(shapes.opt_state, shardings.opt_state)}
-
-
-_MEMORY_FIELDS = {
-    "argument_bytes": "argument_size_in_bytes",
-    "output_bytes": "output_size_in_bytes",
-    "alias_bytes": "alias_size_in_bytes",
-    "temp_bytes": "temp_size_in_bytes",
-    "generated_code_bytes": "generated_code_size_in_bytes",
-}
-
-
-def aot_compile(cfg: RunConfig, mesh: Mesh, compiler_options: dict[str, Any] | None = None,
-                kernels: Kernels | None = None) -> dict[str, Any]:
-    """Lower and compile the sharded train step from shapes alone (nothing is allocated or run).
-
-    Returns the per-device memory figures of XLA's `memory_analysis()` (None where the backend
-    gives none), `total_bytes` = arguments + outputs - aliased (donated) + temporaries,
-    `device_bytes` (what a device has, None where it does not say) and the lowering and compile
-    seconds: an out-of-memory check before the hardware is there.
-    `compiler_options` are passed to XLA (e.g. {"xla_backend_optimization_level": 0}); `kernels`
-    default to the ones chosen for the model.
-    """
-    fsdp = mesh.shape["fsdp"]
-    _check_batch(cfg.train, mesh.shape["data"], fsdp)
-    shapes = state_shapes(cfg)
-    shardings = state_shardings(mesh, shapes, fsdp)
-    state = jax.tree_util.tree_map(
-        lambda leaf, sh: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sh), shapes, shardings
-    )
-    batch = jax.ShapeDtypeStruct((cfg.train.batch_size, window_length(cfg.model)), jnp.int32,
-                                 sharding=batch_sharding(mesh))
-    start = time.perf_counter()
-    lowered = sharded_train_step(cfg, mesh, shardings, kernels).lower(state, batch)
-    lowered_at = time.perf_counter()
-    compiled = lowered.compile(compiler_options=compiler_options)
-    done = time.perf_counter()
-    try:
-        memory = compiled.memory_analysis()
-    except (NotImplementedError, RuntimeError, AttributeError):
-        memory = None
-    if isinstance(memory, (list, tuple)):
-        memory = memory[0] if memory else None
-    result: dict[str, Any] = {"mesh": {axis: int(size) for axis, size in mesh.shape.items()}}
-    for key, attribute in _MEMORY_FIELDS.items():
-        value = getattr(memory, attribute, None) if memory is not None else None
-        result[key] = None if value is None else int(value)
-    parts = [result[k] for k in ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes")]
-    result["total_bytes"] = (None if None in parts
-                             else parts[0] + parts[1] - parts[2] + parts[3])
-    result["device_bytes"] = device_memory_bytes(jax.local_devices()[0])  # every chip of a mesh is alike
-    result["lower_s"] = lowered_at - start
-    result["compile_s"] = done - lowered_at
-    return result
-
-
-def device_memory_bytes(device: jax.Device) -> int | None:
-    """The memory a device gives its programs (an accelerator's HBM); None where it does not say (a CPU)."""
-    try:
-        stats = device.memory_stats()
-    except (NotImplementedError, RuntimeError, AttributeError):
-        return None
-    return int(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
-
-
-def planning_mesh(cfg: RunConfig) -> Mesh:
-    """The mesh `cfg` trains on here, for planning: its sharded mesh, or the first device alone."""
-    if resolve_mode(cfg.train, jax.device_count()) == "sharded":
-        return make_mesh(cfg.train)
-    return make_mesh(cfg.train, jax.devices()[:1])
-
-
-def largest_fitting_batch(cfg: RunConfig, batches: Sequence[int], device_bytes: int | None = None,
-                          headroom: float = 0.9) -> tuple[int, dict[str, Any]]:
-    """The largest of `batches` (global) whose train step, compiled ahead of time, needs at most
-    `headroom` of a device's memory (default: what the devices report), with its `aot_compile`
-    report. Tried largest first, so a batch that fits costs one compile."""
-    limit = device_bytes or device_memory_bytes(jax.local_devices()[0])
-    if limit is None:
-        raise ValueError("this backend reports no device memory: pass device_bytes")
-    needs = {}
-    for batch in sorted(batches, reverse=True):
-        sized = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_size=batch))
-        try:
-            report = aot_compile(sized, planning_mesh(sized))
-        except RuntimeError as error:  # an accelerator's compiler refuses a program beyond its memory
-            if "RESOURCE_EXHAUSTED" not in str(error):
-                raise
-            needs[batch] = "more than the device"
-            continue
-        if report["total_bytes"] is None:
-            raise ValueError("this backend reports no compiled sizes")
-        if report["total_bytes"] <= headroom * limit:
-            return batch, report
-        needs[batch] = f"{report['total_bytes']:,} bytes of {limit:,}"
-    raise ValueError(f"no batch fits {headroom:.0%} of the device: " + ", ".join(f"{b}: {n}" for b, n in needs.items()))

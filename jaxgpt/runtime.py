@@ -23,7 +23,7 @@ from jaxgpt import parallel
 from jaxgpt.checkpoint import on_one_device
 from jaxgpt.config import RunConfig
 from jaxgpt.model import Params
-from jaxgpt.step import TrainState, compile_steps, eval_step, init_state, state_from_params
+from jaxgpt.step import TrainState, compile_steps, init_state, state_from_params
 
 
 class SingleDevice:
@@ -109,13 +109,8 @@ class Sharded(SingleDevice):
         self.shardings = parallel.state_shardings(self.mesh, parallel.state_shapes(cfg), cfg.train.fsdp)
 
     def compile(self) -> tuple[Callable, Callable]:
-        train_fn = parallel.sharded_train_step(self.cfg, self.mesh, self.shardings)
-        kernels = parallel.mesh_kernels(self.cfg, self.mesh)
-        eval_fn = jax.jit(functools.partial(eval_step, self.cfg, kernels=kernels),
-                          in_shardings=(self.shardings.params, parallel.batch_sharding(self.mesh)),
-                          out_shardings=parallel.replicated(self.mesh),
-                          compiler_options=kernels.jit_options())
-        return train_fn, eval_fn
+        return (parallel.sharded_train_step(self.cfg, self.mesh, self.shardings),
+                parallel.sharded_eval_step(self.cfg, self.mesh, self.shardings.params))
 
     def init_state(self, rng: jax.Array) -> TrainState:
         return parallel.init_sharded_state(self.cfg, rng, self.mesh)

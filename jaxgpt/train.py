@@ -34,8 +34,8 @@ if TYPE_CHECKING:  # imported when a run asks for tasks: the harness is an extra
     from jaxgpt.harness import TrainingTasks
 
 # Keys a resumed run may change freely: how long it runs, how often and on what it reports, and how
-# it is laid out on devices (the numbers do not depend on it beyond float rounding).
-RUN_LENGTH_KEYS = ("train.steps", "train.eval_every", "train.eval_batches", "train.checkpoint_every",
+# it is laid out on devices and in memory (the numbers do not depend on it beyond float rounding).
+RUN_LENGTH_KEYS = ("model.remat", "train.steps", "train.eval_every", "train.eval_batches", "train.checkpoint_every",
                    "train.log_every", "train.keep_checkpoints", "train.sample_tokens", "train.parallel",
                    "train.fsdp", "train.eval_tasks", "train.eval_tasks_every", "train.eval_tasks_path",
                    "train.eval_tasks_limit")

@@ -31,6 +31,7 @@ from jaxgpt.generate import generate  # noqa: E402
 from jaxgpt.kernels import PORTABLE, Kernels  # noqa: E402
 from jaxgpt.metrics import flops_per_token  # noqa: E402
 from jaxgpt.model import init_params  # noqa: E402
+from jaxgpt.plan.programs import memory_figures  # noqa: E402
 from jaxgpt.step import init_state, train_step  # noqa: E402
 
 CONFIG = ROOT / "experiments/gpt2_124m.toml"
@@ -95,7 +96,7 @@ def time_train_step(cfg: RunConfig, kernels: Kernels, repeats: int
     first_loss = float(call())
     seconds = median_time(call, repeats, min_repeat_s=0.5)
     loss = float(call())
-    memory = compiled.memory_analysis()
+    memory = memory_figures(compiled)
     peak = nominal_bf16_peak(jax.devices()[0].device_kind)
     tokens_per_s = B * T / seconds
     record = {
@@ -105,8 +106,7 @@ def time_train_step(cfg: RunConfig, kernels: Kernels, repeats: int
         "step_ms": seconds * 1e3, "tokens_per_s": tokens_per_s,
         "mfu": tokens_per_s * flops_per_token(cfg.model) / peak if peak else None,
         "compile_s": compile_s, "first_loss": first_loss, "loss": loss,
-        "temp_bytes": getattr(memory, "temp_size_in_bytes", None),
-        "argument_bytes": getattr(memory, "argument_size_in_bytes", None),
+        "temp_bytes": memory["temp_bytes"], "argument_bytes": memory["argument_bytes"],
     }
     return record, traced, lowered, call
 

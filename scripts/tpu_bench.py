@@ -33,7 +33,7 @@ from chip_bench import (CONFIG, SMOKE, Records, Variant, decode_records, stored_
                         time_train_step, variant_kernels, versions)
 from jaxgpt.config import load_config  # noqa: E402
 from jaxgpt.kernels import choose_kernels  # noqa: E402
-from jaxgpt.parallel import device_memory_bytes  # noqa: E402
+from jaxgpt.plan.programs import device_memory_bytes  # noqa: E402
 
 # Splash attention runs from 128 positions on: the smoke model has them, one head of 128 (every jax
 # the project allows takes that size), and an eighth of each variant's batch (interpret mode is slow).

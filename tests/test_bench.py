@@ -55,7 +55,7 @@ def test_cli_train_prints_json_records_then_a_table(capsys) -> None:
     out, err = capsys.readouterr()
     records = [json.loads(line) for line in out.splitlines()]
     assert [(r["remat"], r["dtype"], r["kernels"]) for r in records] == [
-        (remat, dtype, "xla") for remat in (False, True) for dtype in ("float32", "bfloat16")]
+        (remat, dtype, "xla") for remat in ("none", "full") for dtype in ("float32", "bfloat16")]
     for r in records:
         assert r["mode"] == "train"
         assert _finite_positive(r["tokens_per_s"], r["step_ms"], r["mfu"], r["compile_s"], r["temp_bytes"])
@@ -70,7 +70,7 @@ def test_train_grid_times_the_portable_kernels_beside_tuned_ones(monkeypatch) ->
     list(bench.bench_train(load_config(None, TINY), 1))
     # Each remat x dtype with the CPU's kernels, then with the portable ones.
     assert [(m.remat, m.dtype, choose_kernels(m).name) for m in timed] == [
-        (remat, dtype, kernels) for remat in (False, True) for dtype in ("float32", "bfloat16")
+        (remat, dtype, kernels) for remat in ("none", "full") for dtype in ("float32", "bfloat16")
         for kernels in ({"float32": "cpu", "bfloat16": "cpu-bf16"}[dtype], "xla")]
 
 
@@ -93,9 +93,9 @@ def test_compile_records_and_ratios() -> None:
     assert [r["scan_layers"] for r in ratios] == [True, False]
     assert ratios[0]["ratio"] == pytest.approx(by[True, 3]["compile_s"] / by[True, 1]["compile_s"])
     remat = {r["remat"]: r for r in records if "remat" in r}
-    assert remat[True]["context"] == 32 and _finite_positive(remat[True]["temp_bytes"], remat[False]["step_ms"])
+    assert remat["full"]["context"] == 32 and _finite_positive(remat["full"]["temp_bytes"], remat["none"]["step_ms"])
     summary = records[-1]
-    assert summary["temp_ratio"] == pytest.approx(remat[True]["temp_bytes"] / remat[False]["temp_bytes"])
+    assert summary["temp_ratio"] == pytest.approx(remat["full"]["temp_bytes"] / remat["none"]["temp_bytes"])
 
 
 def test_decode_records() -> None:

@@ -49,6 +49,17 @@ def test_fingerprint_tracks_every_value():
     assert longer.fingerprint(exclude=("train.steps",)) == a.fingerprint(exclude=("train.steps",))
 
 
+def test_remat_names_a_policy_and_takes_true_and_false_as_before(tmp_path):
+    assert [load_config(None, [f"model.remat={v}"]).model.remat for v in ("false", "true", "dots", "none")] == [
+        "none", "full", "dots", "none"]
+    assert ModelConfig(remat=True).remat == "full" and ModelConfig(remat=False).remat == "none"
+    old = tmp_path / "old.toml"  # a run's config.toml from before the policies
+    old.write_text("[model]\nremat = true\n")
+    assert load_config(old).model.remat == "full"
+    # What is recomputed does not change the numbers: not part of the config's identity.
+    assert load_config(None, ["model.remat=dots"]).fingerprint() == RunConfig().fingerprint()
+
+
 def test_ffn_match_params_gives_swiglu_the_gelu_layers_parameters(tmp_path):
     swiglu = load_config(None, ["model.d_model=256", "model.feed_forward=swiglu", "model.ffn_match_params=true"])
     assert swiglu.model.hidden_size == 680  # 2/3 x 1,024 = 682.7, the nearest multiple of 8
@@ -104,6 +115,8 @@ def test_ffn_match_params_refuses_another_explicit_hidden_size():
     (["train.eval_tasks=hellaswag,,arc_easy"], "train.eval_tasks = 'hellaswag,,arc_easy' has an empty name"),
     (["train.eval_tasks_every=0"], "train.eval_tasks_every = 0 must be > 0"),
     (["train.eval_tasks_limit=-1"], "train.eval_tasks_limit = -1 must be >= 0"),
+    (["model.remat=some"], "model.remat = 'some' is not one of none, dots, full"),
+    (["model.remat=1"], "model.remat = 1 must be a string"),
 ])
 def test_validation_names_the_key_and_why(overrides, message):
     with pytest.raises(ConfigError) as err:

@@ -335,6 +335,40 @@ def test_bfloat16_compute_keeps_float32_params_and_logits():
     np.testing.assert_allclose(logits, reference, atol=0.05)
 
 
+@pytest.mark.parametrize("scan_layers, feed_forward", [(True, "gelu"), (False, "swiglu")])
+def test_every_remat_policy_gives_the_same_loss_and_gradient_keeping_less(scan_layers, feed_forward):
+    """model.remat: "none" keeps every block's activations (not the norms' and activations' float32
+    intermediates), "dots" only the matmuls' outputs, "full" each block's input."""
+    import contextlib
+    import io
+    import re
+
+    from jax.ad_checkpoint import print_saved_residuals
+
+    def activations_kept(loss):  # elements of what the backward pass keeps, less the params themselves
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            print_saved_residuals(loss, params)
+        return sum(math.prod(int(n) for n in re.match(r"\w+\[([\d,]*)\]", line).group(1).split(",") if n)
+                   for line in printed.getvalue().splitlines() if "from the argument" not in line)
+
+    base = dataclasses.replace(TINY, scan_layers=scan_layers, feed_forward=feed_forward, n_layers=3)
+    params = init_params(base, jax.random.key(0))
+    tokens = random_tokens(base, 2, 16)
+    results, kept = {}, {}
+    for policy in ("none", "dots", "full"):
+        cfg = dataclasses.replace(base, remat=policy)
+        loss = lambda p: optax.softmax_cross_entropy_with_integer_labels(
+            forward(p, cfg, tokens[:, :-1], train=True), tokens[:, 1:]).mean()
+        results[policy] = jax.jit(jax.value_and_grad(loss))(params)
+        kept[policy] = activations_kept(loss)
+    for policy in ("dots", "full"):
+        np.testing.assert_allclose(results[policy][0], results["none"][0], rtol=1e-6)
+        jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6),
+                               results[policy][1], results["none"][1])
+    assert kept["none"] > kept["dots"] > kept["full"]
+
+
 def test_dropout_needs_rng_and_is_off_at_eval():
     cfg = dataclasses.replace(TINY, dropout=0.5)
     params = init_params(cfg, jax.random.key(0))

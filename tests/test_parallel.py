@@ -198,36 +198,6 @@ def test_resolve_mode_and_mesh_on_given_devices():
     assert dict(mesh.shape) == {"data": 2, "fsdp": 2}
 
 
-def test_aot_compile_reports_memory_without_running():
-    cfg = with_fsdp(load_config(None, CONFIGS["day1"]), 4)
-    mesh = parallel.make_mesh(cfg.train)
-    before = {id(a) for a in jax.live_arrays()}
-    report = parallel.aot_compile(cfg, mesh, FAST)
-    created = [a for a in jax.live_arrays() if id(a) not in before]
-    assert not [a for a in created if a.ndim > 0]  # no params, moments or batch were allocated
-    assert report["mesh"] == {"data": 2, "fsdp": 4}
-    assert report["compile_s"] > 0 and report["lower_s"] > 0
-    for key in ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes", "generated_code_bytes"):
-        assert report[key] is None or (isinstance(report[key], int) and report[key] >= 0)
-    if report["argument_bytes"] is not None:  # the CPU backend reports them
-        params = sum(x.size * 4 for x in jax.tree_util.tree_leaves(parallel.state_shapes(cfg).params))
-        assert report["argument_bytes"] < params  # per device: 1/4 of params + mu + nu (3/4 of params)
-        assert report["total_bytes"] > 0
-
-
-def test_the_largest_batch_whose_compiled_step_fits_the_device_is_chosen():
-    cfg = load_config(None, [*CONFIGS["day1"], "train.parallel=single"])  # as on one chip
-    with pytest.raises(ValueError, match="reports no device memory"):  # a CPU does not say: before any compile
-        parallel.largest_fitting_batch(cfg, [16])
-    batch, largest = parallel.largest_fitting_batch(cfg, [16, 32], device_bytes=10**12)
-    assert batch == 32 and largest["device_bytes"] is None
-    # A device just too small for batch 32 takes 16, which needs less.
-    batch, smaller = parallel.largest_fitting_batch(cfg, [32, 16], device_bytes=int((largest["total_bytes"] - 1) / 0.9))
-    assert batch == 16 and 0 < smaller["total_bytes"] < largest["total_bytes"]
-    with pytest.raises(ValueError, match=f"no batch fits 90% of the device: 16: {smaller['total_bytes']:,} bytes of 1,000"):
-        parallel.largest_fitting_batch(cfg, [16], device_bytes=1000)
-
-
 def test_distributed_initialization_follows_the_environment(monkeypatch):
     for name in ("JAX_COORDINATOR_ADDRESS", "COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID",
                  "TPU_WORKER_HOSTNAMES", "CLOUD_TPU_TASK_ID", "JAXGPT_DISTRIBUTED",

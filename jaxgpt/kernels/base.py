@@ -11,6 +11,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import jax
+
 
 @dataclass(frozen=True)
 class Kernels:
@@ -25,9 +27,18 @@ class Kernels:
     untied_logits: Callable[..., Any]
     # GPT-2's tanh GELU, equal in value and gradient to `jax.nn.gelu(x, approximate=True)`.
     gelu: Callable[[Any], Any]
-    # What a scanned block stack without model.remat saves for its backward pass (a
+    # What a scanned block stack under model.remat = "none" saves for its backward pass (a
     # `jax.checkpoint_policies` policy); None: everything autodiff keeps.
     scan_remat_policy: Callable[..., Any] | None = None
+    # Whether the norms and the activation recompute their float32 intermediates in the backward
+    # pass instead of keeping them (`jaxgpt.layers.recomputed`): several times their input's size
+    # and cheap to compute again. Off for sets whose scan remat policy already decides what a
+    # block keeps (the CPU's).
+    recompute_elementwise: bool = True
+    # What a block under model.remat = "dots" saves: the outputs of its matmuls (those without
+    # batch axes: the projections, not the attention's scores). Kernels whose matmuls are not
+    # plain dots name their outputs here too.
+    dots_remat_policy: Callable[..., Any] = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
     # Activations between matmuls stay float32 whatever the compute dtype (only matmul operands
     # take it): for backends with low-precision matmuls but no low-precision arithmetic.
     float32_activations: bool = False

@@ -144,9 +144,13 @@ SCAN_REMAT_POLICY = _policies.save_from_both_policies(
     _policies.dots_with_no_batch_dims_saveable,
     _policies.save_only_these_names(*BF16_MATMUL_SAVED, BF16_ATTENTION_SAVED))
 
+DOTS_REMAT_POLICY = _policies.save_from_both_policies(
+    _policies.dots_with_no_batch_dims_saveable, _policies.save_only_these_names(*BF16_MATMUL_SAVED))
+
 F32 = Kernels(
     name="cpu", dot_general=flat_dot_general, attention=f32_attention, tied_logits=f32_tied_logits,
     untied_logits=f32_untied_logits, gelu=gelu_tanh, scan_remat_policy=SCAN_REMAT_POLICY,
+    dots_remat_policy=DOTS_REMAT_POLICY, recompute_elementwise=False,
     float32_activations=True,
 )
 BF16 = dataclasses.replace(

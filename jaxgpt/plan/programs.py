@@ -1,0 +1,192 @@
+"""The run's programs compiled from shapes alone, and the memory each needs on one device.
+
+Nothing is allocated or run: the train state, the batch and the params are `ShapeDtypeStruct`s
+placed on a mesh, of this machine's devices or of a target's compile-only ones (`jaxgpt.plan`),
+and XLA's `memory_analysis()` of each compiled program gives its per-device bytes.
+
+    figures = compile_train(cfg, mesh)   # {"argument_bytes": ..., "temp_bytes": ..., "total_bytes": ...}
+    figures = compile_eval(cfg, mesh)    # the sharded eval step
+    figures = compile_decode(cfg, mesh)  # the sampler's prefill and decode loop, the larger of the two
+
+A compiler that refuses a program for memory (the TPU's says RESOURCE_EXHAUSTED when the
+temporaries alone exceed the chip) gives `{"refused": its message, "total_bytes": what it said
+the program needs, "available_bytes": what it said the chip has}` instead of raising.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from jaxgpt import parallel
+from jaxgpt.config import RunConfig
+from jaxgpt.kernels import Kernels
+from jaxgpt.step import TrainState, window_length
+
+MEMORY_FIELDS = {
+    "argument_bytes": "argument_size_in_bytes",
+    "output_bytes": "output_size_in_bytes",
+    "alias_bytes": "alias_size_in_bytes",
+    "temp_bytes": "temp_size_in_bytes",
+    "generated_code_bytes": "generated_code_size_in_bytes",
+}
+# "...required for HLO temporaries (279.40G) exceeds available HBM (15.75G)" and "Used 17.68G of 15.75G hbm"
+_TEMPORARIES = (re.compile(r"temporaries \(([\d.]+)([KMGT]?)\)"),)
+_USED = (re.compile(r"Used ([\d.]+)([KMGT]?) of"),)
+_AVAILABLE = (re.compile(r"available HBM \(([\d.]+)([KMGT]?)\)"), re.compile(r"of ([\d.]+)([KMGT]?) hbm"))
+_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def memory_figures(compiled: Any) -> dict[str, int | None]:
+    """A compiled program's per-device bytes: XLA's `memory_analysis()` fields (None where the
+    backend gives none) and `total_bytes` = arguments + outputs - aliased (donated) + temporaries."""
+    try:
+        memory = compiled.memory_analysis()
+    except (NotImplementedError, RuntimeError, AttributeError):
+        memory = None
+    if isinstance(memory, (list, tuple)):
+        memory = memory[0] if memory else None
+    figures: dict[str, int | None] = {}
+    for key, attribute in MEMORY_FIELDS.items():
+        value = getattr(memory, attribute, None) if memory is not None else None
+        figures[key] = None if value is None else int(value)
+    parts = [figures[k] for k in ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes")]
+    figures["total_bytes"] = None if None in parts else parts[0] + parts[1] - parts[2] + parts[3]
+    return figures
+
+
+def device_memory_bytes(device: jax.Device) -> int | None:
+    """The memory a device gives its programs (an accelerator's HBM); None where it does not say (a CPU)."""
+    try:
+        stats = device.memory_stats()
+    except (NotImplementedError, RuntimeError, AttributeError):
+        return None
+    return int(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
+
+
+def _per_device_bytes(tree: Any) -> int:
+    """Bytes one device holds of a tree of placed `ShapeDtypeStruct`s (the first device's share)."""
+    total = 0
+    for leaf in jax.tree_util.tree_leaves(tree):
+        shape = leaf.sharding.shard_shape(leaf.shape) if getattr(leaf, "sharding", None) else leaf.shape
+        total += int(np.prod(shape)) * np.dtype(leaf.dtype).itemsize
+    return total
+
+
+def compile_lowered(lowered: Any, arguments: Any, compiler_options: dict[str, Any] | None = None
+                    ) -> dict[str, Any]:
+    """`memory_figures` of `lowered` compiled, with `compile_s`; a refusal for memory is a record
+    with `refused` and, where the compiler said it, `total_bytes` = the temporaries it needed plus
+    the `arguments`' bytes."""
+    start = time.perf_counter()
+    try:
+        compiled = lowered.compile(compiler_options=compiler_options)
+    except Exception as error:  # XLA's runtime error; only a refusal for memory is ours to report
+        if "RESOURCE_EXHAUSTED" not in str(error):
+            raise
+        message = str(error).strip().splitlines()[0]
+        temp, used = _stated_bytes(message, _TEMPORARIES), _stated_bytes(message, _USED)
+        total = used if used is not None else None if temp is None else temp + _per_device_bytes(arguments)
+        return {"refused": message, "temp_bytes": temp, "total_bytes": total,
+                "available_bytes": _stated_bytes(message, _AVAILABLE)}
+    return {**memory_figures(compiled), "custom_calls": custom_calls(compiled),
+            "compile_s": round(time.perf_counter() - start, 3)}
+
+
+def _stated_bytes(message: str, patterns: tuple[re.Pattern, ...]) -> int | None:
+    """Bytes a compiler's message states ("279.40G": GiB, to its two decimals), or None."""
+    found = next((m for m in (p.search(message) for p in patterns) if m), None)
+    return None if found is None else round(float(found.group(1)) * _UNITS[found.group(2)])
+
+
+def custom_calls(compiled: Any) -> list[str]:
+    """The custom calls a compiled program makes (a Pallas kernel's `tpu_custom_call`, cuDNN's
+    `__cudnn$fmha...`): which hand-written kernels made it into the program."""
+    try:
+        text = compiled.as_text()
+    except Exception:  # a backend that cannot print its program
+        return []
+    return sorted(set(re.findall(r'custom_call_target="([^"]+)"', text or "")))
+
+
+def planned_memory(cfg: RunConfig, mesh: Mesh | None) -> dict[str, Any]:
+    """Bytes of params and optimiser state per device, from shapes alone (nothing allocated)."""
+    shapes = parallel.state_shapes(cfg)
+    if mesh is None:
+        state = shapes
+    else:
+        shardings = parallel.state_shardings(mesh, shapes, mesh.shape["fsdp"])
+        state = jax.tree_util.tree_map(lambda leaf, sh: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sh),
+                                       shapes, shardings)
+    return {"mesh": None if mesh is None else {axis: int(size) for axis, size in mesh.shape.items()},
+            "params_bytes_per_device": _per_device_bytes(state.params),
+            "opt_state_bytes_per_device": _per_device_bytes(state.opt_state)}
+
+
+def abstract_state(cfg: RunConfig, mesh: Mesh) -> TrainState:
+    """The train state as `ShapeDtypeStruct`s in the shardings it trains in on `mesh`."""
+    shapes = parallel.state_shapes(cfg)
+    shardings = parallel.state_shardings(mesh, shapes, mesh.shape["fsdp"])
+    return jax.tree_util.tree_map(lambda leaf, sh: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sh),
+                                  shapes, shardings)
+
+
+def _batch(cfg: RunConfig, mesh: Mesh) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct((cfg.train.batch_size, window_length(cfg.model)), jnp.int32,
+                                sharding=parallel.batch_sharding(mesh))
+
+
+def _shardings(tree: Any) -> Any:
+    return jax.tree_util.tree_map(lambda leaf: leaf.sharding, tree)
+
+
+def compile_train(cfg: RunConfig, mesh: Mesh, compiler_options: dict[str, Any] | None = None,
+                  kernels: Kernels | None = None) -> dict[str, Any]:
+    """The sharded train step (its state donated) on `mesh`: `compile_lowered`'s record with the
+    mesh and the lowering seconds. `kernels`: by default those chosen for the model."""
+    parallel.check_batch(cfg.train, mesh.shape["data"], mesh.shape["fsdp"])
+    state, batch = abstract_state(cfg, mesh), _batch(cfg, mesh)
+    start = time.perf_counter()
+    lowered = parallel.sharded_train_step(cfg, mesh, _shardings(state), kernels).lower(state, batch)
+    lower_s = time.perf_counter() - start
+    return {"mesh": {axis: int(size) for axis, size in mesh.shape.items()},
+            **compile_lowered(lowered, (state, batch), compiler_options), "lower_s": round(lower_s, 3)}
+
+
+def compile_eval(cfg: RunConfig, mesh: Mesh) -> dict[str, Any]:
+    """The sharded eval step on `mesh`, at the train batch (as the training loop evaluates)."""
+    params, batch = abstract_state(cfg, mesh).params, _batch(cfg, mesh)
+    lowered = parallel.sharded_eval_step(cfg, mesh, _shardings(params)).lower(params, batch)
+    return compile_lowered(lowered, (params, batch))
+
+
+def compile_decode(cfg: RunConfig, mesh: Mesh) -> dict[str, Any]:
+    """The sampler's two programs (`generate.lower_decoding`) for one prompt and the samples the
+    training loop draws (`train.sample_tokens`), the params in their training shardings: the
+    figures of the one that needs more."""
+    from jaxgpt.generate import lower_decoding
+
+    params = abstract_state(cfg, mesh).params
+    lowered = lower_decoding(params, cfg.model, max_new_tokens=max(cfg.train.sample_tokens, 1),
+                             placed=parallel.replicated(mesh))
+    records = {name: compile_lowered(program, params) for name, program in lowered.items()}
+    worst = max(records, key=lambda name: records[name]["total_bytes"] or 0)
+    return {"program": worst, **records[worst]}
+
+
+def with_batch(cfg: RunConfig, batch_size: int) -> RunConfig:
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_size=batch_size))
+
+
+def mesh_for(cfg: RunConfig, devices: Sequence[jax.Device]) -> Mesh:
+    """The mesh `cfg` trains on over `devices`: all of them in the sharded and pmap modes (pmap's
+    per-device memory is data parallelism's), the first alone in the single mode."""
+    mode = parallel.resolve_mode(cfg.train, len(devices))
+    return parallel.make_mesh(cfg.train, devices if mode != "single" else list(devices)[:1])

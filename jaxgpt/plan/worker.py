@@ -1,0 +1,75 @@
+"""`python -m jaxgpt.plan.worker`: plan one config for one target, in a process that compiles for it.
+
+Reads one JSON request on stdin, {"target": "v5e-1", "plans": [{"config": {...}, "fit": false,
+"programs": [...], "headroom": 0.9}, ...]}, and writes progress lines ("jaxgpt plan: ...") and
+then a JSON list on stdout, one line: each plan's record, or {"error": "..."} where the user
+asked for what cannot be planned (a batch the target's chips cannot split, say). Many configs share one process, one topology and the
+compiler's start. `jaxgpt.plan.compilers.run_worker` starts it, with the environment that keeps
+JAX on the CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+from jaxgpt.config import ConfigError, build_config
+from jaxgpt.plan.targets import Target, target
+
+
+def target_devices(spec: Target) -> list[Any]:
+    """The compile-only devices of `spec`, as its compiler describes them."""
+    from jax.experimental import topologies
+
+    if spec.platform == "tpu":
+        options = {"chip_config_name": "megacore"} if spec.megacore else {}
+        topology = topologies.get_topology_desc(platform="tpu", topology_name=spec.topology,
+                                                chips_per_host_bounds=spec.chips_per_host, **options)
+    else:
+        topology = topologies.get_topology_desc(platform="cuda", target_config=spec.gpu_target_config(),
+                                                topology=spec.topology)
+    devices = list(topology.devices)
+    if len(devices) != spec.chips:
+        raise RuntimeError(f"{spec.name}: the compiler made {len(devices)} devices of {spec.topology}, not {spec.chips}")
+    return devices
+
+
+def say(line: str) -> None:
+    """A progress line, on stdout before the records: the compilers' C++ logging writes to stderr
+    in pieces, and a line of ours there could land inside one of theirs."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+def plan_target(spec: Target, devices: list[Any], request: dict[str, Any]) -> dict[str, Any]:
+    from jaxgpt.plan.report import HEADROOM, PROGRAMS, plan_on
+
+    cfg = build_config(request["config"])
+    record = plan_on(cfg, devices, spec.device_bytes, fit=request.get("fit", False),
+                     programs=request.get("programs", PROGRAMS), headroom=request.get("headroom", HEADROOM),
+                     progress=lambda line: say(f"jaxgpt plan: {spec.name}, {line}"))
+    return {"target": spec.name, "platform": spec.platform, "device_kind": spec.device_kind,
+            "devices": spec.chips, "processes": spec.hosts,
+            "rows_per_process": record["batch_size"] // spec.hosts, **record}
+
+
+def main() -> int:
+    from jaxgpt.kernels import choose_for
+
+    request = json.loads(sys.stdin.read())
+    spec = target(request["target"])
+    devices = target_devices(spec)
+    choose_for(devices[0])
+    records = []
+    for one in request["plans"]:
+        try:
+            records.append(plan_target(spec, devices, one))
+        except (ConfigError, ValueError) as error:  # what the user asked for cannot be planned
+            records.append({"error": f"{spec.name}: {error}"})
+    print(json.dumps(records), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

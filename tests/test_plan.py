@@ -1,0 +1,172 @@
+"""Plans for accelerators this machine does not have, GPUs here (TPUs: test_plan_tpu.py): the
+targets, the programs compiled by jax's CUDA compiler plugin (the `targets` extra), the memory
+they need, the largest batch that fits, and the errors a user can meet. The compiles for one
+target share one compile process (`plans`)."""
+
+import json
+import subprocess
+import sys
+import types
+
+import jax
+import numpy as np
+import pytest
+
+from jaxgpt import plan as planning
+from jaxgpt.cli import main
+from jaxgpt.config import ConfigError, load_config
+from jaxgpt.plan import compilers, targets
+from jaxgpt.plan.programs import compile_train, planned_memory
+from jaxgpt.plan.report import largest_batch
+from jaxgpt_lines import foreign_lines
+from plan_models import GIB, LAYERS, TINY, attention, tiny
+
+REMAT = ["none", "dots", "full"]
+
+
+@pytest.fixture(scope="module")
+def h100():
+    """For one H100: the attention in bfloat16 (every program), then in float32 and the three remat
+    policies on a 4-layer model (the train step)."""
+    cfgs = [attention("mha", 256, 64, "float32")]
+    cfgs += [load_config(None, [*LAYERS, "train.batch_size=8", f"model.remat={policy}"]) for policy in REMAT]
+    return planning.plans([attention("mha", 256, 64, "bfloat16")], "h100-1") + planning.plans(
+        cfgs, "h100-1", programs=("train",))
+
+
+def test_remat_policies_order_the_memory_none_dots_full(h100):
+    none, dots, full = (r["compiled"] for r in h100[2:])
+    assert none["temp_bytes"] > dots["temp_bytes"] > full["temp_bytes"] > 0
+    # The state (params, Adam's moments) is the same whatever is recomputed.
+    assert none["argument_bytes"] == dots["argument_bytes"] == full["argument_bytes"]
+
+
+def test_the_gpu_set_compiles_cudnn_attention_for_an_h100(h100):
+    bf16, f32 = h100[:2]
+    assert bf16["kernels"] == f32["kernels"] == "gpu" and bf16["platform"] == "gpu"
+    assert any(call.startswith("__cudnn$fmha") for call in bf16["compiled"]["custom_calls"])
+    assert not any(call.startswith("__cudnn$fmha") for call in f32["compiled"]["custom_calls"])  # none in float32
+
+
+def test_a_plan_compiles_train_eval_and_sampling_and_compares_them_with_the_chip(h100):
+    record = h100[0]
+    compiled = record["compiled"]
+    assert compiled["device_bytes"] == targets.target("h100-1").device_bytes == 84978434048
+    for figures in (compiled, compiled["eval"], compiled["decode"]):
+        assert figures["total_bytes"] == (figures["argument_bytes"] + figures["output_bytes"]
+                                          - figures["alias_bytes"] + figures["temp_bytes"]) > 0
+    assert compiled["decode"]["program"] in ("start", "advance")
+    opt = record["opt_state_bytes_per_device"]
+    assert record["peak_bytes"] == max(compiled["total_bytes"], compiled["eval"]["total_bytes"] + opt,
+                                       compiled["decode"]["total_bytes"] + opt)
+    assert record["fits"] is (record["peak_bytes"] <= 0.9 * compiled["device_bytes"])
+    assert (record["target"], record["devices"], record["processes"]) == ("h100-1", 1, 1)
+
+
+FIT_MODEL = [*LAYERS, "model.n_layers=64"]  # about 0.07 GiB a row: several hundred rows to an H100
+
+
+def test_fit_finds_the_largest_batch_a_compile_confirms():
+    """`dry-run --fit` from the command line: its batch fits (every program compiled at it), twice
+    it does not, it splits over the cards, and stderr holds only jaxgpt's lines."""
+    sets = [arg for item in FIT_MODEL for arg in ("--set", item)]
+    out = subprocess.run([sys.executable, "-m", "jaxgpt", "dry-run", *sets, "--target", "h100-2", "--fit"],
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr
+    assert not foreign_lines(out.stderr), out.stderr
+    record = json.loads(out.stdout)
+    batch = record["largest_batch"]
+    assert batch > 100 and batch % 2 == 0 and record["batch_size"] == batch and record["fits"] is True
+    [twice] = planning.plans([load_config(None, [*FIT_MODEL, f"train.batch_size={2 * batch}"])], "h100-2",
+                             programs=("train",))
+    assert twice["fits"] is False and twice["peak_bytes"] > 0.9 * twice["compiled"]["device_bytes"]
+
+
+def test_the_search_finds_the_largest_fitting_multiple_in_a_few_compiles():
+    mesh = types.SimpleNamespace(devices=np.empty(4))
+    cfg = tiny("train.batch_size=8", "train.grad_accum=2")  # a step splits 8 rows: 4 devices x 2 micro-batches
+
+    def need(b):  # 1 MiB fixed, 3 MiB a row, and a step of 50 MiB past 1,000 rows (a layout change)
+        return 2**20 + 3 * 2**20 * b + (50 * 2**20 if b > 1000 else 0)
+
+    calls = []
+    measure = lambda sized: calls.append(sized.train.batch_size) or need(sized.train.batch_size)
+    limit = 4000 * 2**20
+    batch = largest_batch(cfg, mesh, int(limit / 0.9) + 1, measure=measure)
+    assert batch == max(b for b in range(8, 5000, 8) if need(b) <= limit)
+    assert len(calls) <= 12 and all(b % 8 == 0 for b in calls)
+    calls.clear()
+    assert largest_batch(cfg, mesh, int(limit / 0.9) + 1, measure=measure, most=100) == 96 and calls == [96]
+    calls.clear()  # the state's bytes draw the first line: the first guess is the answer, or next to it
+    assert largest_batch(cfg, mesh, int(limit / 0.9) + 1, measure=measure, fixed=2**20) == batch
+    assert len(calls) <= 4, calls
+    assert largest_batch(cfg, mesh, 2**20, measure=measure) is None  # not even 8 rows
+    assert largest_batch(cfg, mesh, 10**15, measure=lambda sized: 1) >= 2**19  # gives up past 2**20 rows
+
+
+def test_compiling_for_this_machine_allocates_nothing():
+    cfg = tiny("train.fsdp=4", "train.batch_size=8")
+    from jaxgpt import parallel
+
+    mesh = parallel.make_mesh(cfg.train)
+    before = {id(a) for a in jax.live_arrays()}
+    report = compile_train(cfg, mesh)
+    assert not [a for a in jax.live_arrays() if id(a) not in before and a.ndim > 0]
+    assert report["mesh"] == {"data": 2, "fsdp": 4} and report["compile_s"] > 0 and report["lower_s"] > 0
+    params = sum(x.size * 4 for x in jax.tree_util.tree_leaves(parallel.state_shapes(cfg).params))
+    assert 0 < report["argument_bytes"] < params  # per device: 1/4 of params, mu and nu
+    assert planned_memory(cfg, mesh)["params_bytes_per_device"] == params // 4
+
+
+def test_fit_on_devices_that_report_no_memory_is_one_line(capsys):
+    assert main(["dry-run", *[a for s in TINY for a in ("--set", s)], "--fit"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "jaxgpt dry-run: error: these devices report no memory to fit a batch in: plan for a --target")
+
+
+def test_an_unknown_target_names_the_nearest(capsys):
+    assert main(["dry-run", "--target", "v5e-3"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("jaxgpt dry-run: error: unknown target 'v5e-3'; nearest: ") and "v5e-4" in err
+    assert len(err.splitlines()) == 1
+
+
+def test_a_batch_the_chips_cannot_split_is_one_line():
+    out = subprocess.run([sys.executable, "-m", "jaxgpt", "dry-run", "--set", "train.batch_size=12",
+                          "--target", "h100-8"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.strip().splitlines() == [
+        "jaxgpt dry-run: error: h100-8: train.batch_size = 12 with train.grad_accum = 1 gives micro-batches of "
+        "12 rows, which do not divide over data 8 x fsdp 1 = 8 devices"]
+
+
+@pytest.mark.parametrize("name, compiler", [("v5e-1", "the TPU compiler (libtpu)"),
+                                            ("h200-8", "jax's CUDA compiler plugin")])
+def test_a_missing_compiler_is_one_line_naming_the_install(name, compiler, monkeypatch, capsys):
+    monkeypatch.setattr(compilers, "installed_plugins", lambda: [])
+    assert main(["dry-run", "--target", name]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"jaxgpt dry-run: error: planning for {name} needs {compiler}: pip install 'jaxgpt[targets]'")
+
+
+def test_the_targets_users_rent_are_known():
+    expect = {"v4-8": ("tpu", 4, 1, "v4:2x2x1"), "v5e-1": ("tpu", 1, 1, "v5e:1x1"), "v5e-4": ("tpu", 4, 1, "v5e:2x2"),
+              "v5e-8": ("tpu", 8, 1, "v5e:2x4"), "v5p-8": ("tpu", 4, 1, "v5:2x2x1"), "v6e-1": ("tpu", 1, 1, "v6e:1x1"),
+              "v6e-4": ("tpu", 4, 1, "v6e:2x2"), "v6e-8": ("tpu", 8, 1, "v6e:2x4"), "v5e-32": ("tpu", 32, 8, "v5e:4x8"),
+              "v4-64": ("tpu", 32, 8, "v4:2x4x4"), "v6e-256": ("tpu", 256, 64, "v6e:16x16"),
+              "a100-1": ("gpu", 1, 1, "1x1x1"), "h100-8": ("gpu", 8, 1, "1x1x8"), "h200-32": ("gpu", 32, 4, "1x4x8")}
+    for name, (platform, chips, hosts, topology) in expect.items():
+        spec = targets.target(name)
+        assert (spec.platform, spec.chips, spec.hosts, spec.topology) == (platform, chips, hosts, topology), name
+    assert targets.target("v5e-1").device_bytes == round(15.75 * GIB)
+    assert targets.target("h200-8").device_bytes > 140e9 and targets.target("a100-8").device_bytes > 80e9
+    assert all(targets.target(name).name == name for name in targets.known_names())
+    for bad in ("v5e-2", "v4-6", "h100-12", "tpu", "v7-8"):
+        with pytest.raises(ConfigError, match="unknown target"):
+            targets.target(bad)
+
+
+def test_the_gpu_descriptions_ship_with_the_package():
+    for model in targets.GPU_MODELS:
+        text = targets.target(f"{model}-1").gpu_target_config()
+        assert "cuda_compute_capability" in text and f'"{targets.GPU_MODELS[model]}"' in text

@@ -1,0 +1,68 @@
+"""Plans for TPUs, compiled by libtpu (the `targets` extra) on this CPU: the TPU kernels through
+Mosaic for every shape, a batch beyond the chip, FSDP and slices of many hosts (memory figures:
+test_plan_tpu_memory.py). The compiles for one target share one compile process (`plans`)."""
+
+import itertools
+
+import pytest
+
+from jaxgpt import plan as planning
+from jaxgpt.plan import targets
+from plan_models import attention, tiny
+
+# A pairwise covering array of the TPU set's shapes: every value of every pair of the four
+# factors (attention kind, length, head size, dtype) meets in some row.
+MOSAIC_ROWS = [("mha", 128, 64, "float32"), ("mha", 200, 64, "float32"), ("mha", 1024, 128, "bfloat16"),
+               ("gqa", 128, 64, "float32"), ("gqa", 200, 64, "bfloat16"), ("gqa", 1024, 128, "bfloat16"),
+               ("mqa", 128, 128, "bfloat16"), ("mqa", 200, 128, "float32"), ("mqa", 1024, 64, "float32")]
+
+
+def test_the_mosaic_rows_cover_every_pair():
+    factors = [sorted({row[i] for row in MOSAIC_ROWS}, key=str) for i in range(4)]
+    assert [len(f) for f in factors] == [3, 3, 2, 2]
+    for a, b in itertools.combinations(range(4), 2):
+        assert {(r[a], r[b]) for r in MOSAIC_ROWS} == set(itertools.product(factors[a], factors[b]))
+
+
+def beyond_the_chip(chips: int):
+    """A tiny model at a batch whose activations are many times any chip's memory."""
+    return tiny("model.context_length=1024", "model.d_model=64", f"train.batch_size={2**15 * chips}")
+
+
+@pytest.fixture(scope="module")
+def v5e_1():
+    """One compile process for one TPU v5e chip: the Mosaic rows and a batch far beyond the chip."""
+    cfgs = [attention(*row) for row in MOSAIC_ROWS] + [beyond_the_chip(1)]
+    return planning.plans(cfgs, "v5e-1", programs=("train",))
+
+
+def test_the_tpu_set_compiles_through_mosaic_for_every_shape_without_falling_back(v5e_1):
+    for row, record in zip(MOSAIC_ROWS, v5e_1):
+        assert record["kernels"] == "tpu", row  # the probe compiled splash attention: no fallback
+        assert "tpu_custom_call" in record["compiled"]["custom_calls"], row  # ... and the step runs it
+        assert record["fits"] is True and record["device_kind"] == "TPU v5 lite"
+
+
+def test_a_program_the_compiler_refuses_for_memory_does_not_fit_and_says_what_it_needs(v5e_1):
+    record = v5e_1[-1]
+    compiled = record["compiled"]
+    assert "RESOURCE_EXHAUSTED" in compiled["refused"] and record["fits"] is False
+    assert compiled["total_bytes"] > compiled["temp_bytes"] > targets.target("v5e-1").device_bytes
+    # What the compiler says the chip holds is the catalogue's figure.
+    assert compiled["available_bytes"] == targets.target("v5e-1").device_bytes
+
+
+def test_fsdp_over_four_v5e_chips_runs_splash_attention_per_device_and_splits_the_state():
+    full, split = planning.plans([attention("mha", 256, 64, "bfloat16", "train.batch_size=8"),
+                                  attention("mha", 256, 64, "bfloat16", "train.batch_size=8", "train.fsdp=4")],
+                                 "v5e-4", programs=("train",))
+    assert split["kernels"] == "tpu" and "tpu_custom_call" in split["compiled"]["custom_calls"]
+    assert split["mesh"] == {"data": 1, "fsdp": 4} and full["mesh"] == {"data": 4, "fsdp": 1}
+    assert split["opt_state_bytes_per_device"] < full["opt_state_bytes_per_device"] / 2
+    assert split["mode"] == "sharded" and split["rows_per_process"] == 8
+
+
+def test_a_slice_of_many_hosts_says_its_processes_and_the_rows_each_reads():
+    [record] = planning.plans([tiny("train.batch_size=64", "train.fsdp=4")], "v5e-16", programs=("train",))
+    assert (record["devices"], record["processes"], record["rows_per_process"]) == (16, 4, 16)
+    assert record["mesh"] == {"data": 4, "fsdp": 4} and record["fits"] is True
