@@ -170,3 +170,12 @@ def test_the_gpu_descriptions_ship_with_the_package():
     for model in targets.GPU_MODELS:
         text = targets.target(f"{model}-1").gpu_target_config()
         assert "cuda_compute_capability" in text and f'"{targets.GPU_MODELS[model]}"' in text
+
+
+def test_cudnn_attention_compiles_per_card_under_fsdp_over_eight_h100s():
+    """cuDNN's own partitioner cannot split its attention over an FSDP mesh: the GPU set runs it
+    per card (`Kernels.mesh_attention`), and the step compiles with it."""
+    [record] = planning.plans([attention("mha", 256, 64, "bfloat16", "train.batch_size=16", "train.fsdp=8")],
+                              "h100-8", programs=("train",))
+    assert record["mesh"] == {"data": 1, "fsdp": 8} and record["kernels"] == "gpu"
+    assert any(call.startswith("__cudnn$fmha") for call in record["compiled"]["custom_calls"])

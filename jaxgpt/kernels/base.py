@@ -66,3 +66,18 @@ class Kernels:
         if self.mesh_attention is None:
             return self
         return dataclasses.replace(self, attention=self.mesh_attention(mesh))
+
+
+def per_device(attend: Callable[..., Any], mesh: Any) -> Callable[..., Any]:
+    """`attend(q, k, v)` run by each device on its rows of the batch, split over every axis of
+    `mesh`: for a kernel XLA's partitioner cannot split (Pallas), or splits wrongly (cuDNN's
+    attention under FSDP: its partitioner asks an internal [1, 1, 4, 1, 2] array to divide by 8)."""
+    import jax
+    from jax.sharding import PartitionSpec
+
+    spec = PartitionSpec(tuple(mesh.axis_names))
+    if hasattr(jax, "shard_map"):  # jax 0.6.1 on; before, only the experimental one
+        return jax.shard_map(attend, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec, check_vma=False)
+    from jax.experimental.shard_map import shard_map
+
+    return shard_map(attend, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec, check_rep=False)

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from jaxgpt.kernels import xla
-from jaxgpt.kernels.base import Kernels
+from jaxgpt.kernels.base import Kernels, per_device
 from jaxgpt.kernels.head_loss import mean_head_loss
 
 try:  # the kernel's home in jax; a jax without it leaves the set unusable, not unimportable
@@ -103,16 +103,6 @@ def splash_attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, *,
     return out_BHTD.transpose(0, 2, 1, 3)[:, :T]
 
 
-def _per_device(attend: Callable[..., Any], mesh: Any) -> Callable[..., Any]:
-    """`attend` run by each device on its rows of the batch, split over every axis of `mesh`."""
-    spec = PartitionSpec(tuple(mesh.axis_names))
-    if hasattr(jax, "shard_map"):  # jax 0.6.1 on; before, only the experimental one
-        return jax.shard_map(attend, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec, check_vma=False)
-    from jax.experimental.shard_map import shard_map
-
-    return shard_map(attend, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec, check_rep=False)
-
-
 def attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, *, train: bool = False,
               remat: bool = False, interpret: bool = False, max_block: int = MAX_BLOCK,
               mesh: Any = None) -> jax.Array:
@@ -121,7 +111,7 @@ def attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, *, train:
     if q_BTHD.shape[1] < SPLASH_MIN_CONTEXT:
         return xla.attention(q_BTHD, k_BTKD, v_BTKD)
     attend = functools.partial(splash_attention, interpret=interpret, max_block=max_block)
-    return (attend if mesh is None else _per_device(attend, mesh))(q_BTHD, k_BTKD, v_BTKD)
+    return (attend if mesh is None else per_device(attend, mesh))(q_BTHD, k_BTKD, v_BTKD)
 
 
 @functools.lru_cache(maxsize=None)
