@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgpt.config import ModelConfig, RunConfig
+from jaxgpt.errors import UserError
 from jaxgpt.kernels import PORTABLE, choose_kernels
 from jaxgpt.metrics import flops_per_token, mfu
 from jaxgpt.model import forward, init_params
@@ -295,7 +296,7 @@ def bench_speculative(run_dir: str, repeats: int, batches: tuple[int, ...] = (1,
 
     model, params = load_run(run_dir)
     if model.mtp_depth < 1:
-        raise ValueError(f"{run_dir} has model.mtp_depth = 0: speculative decoding needs MTP adapters")
+        raise UserError(f"{run_dir} has model.mtp_depth = 0: speculative decoding needs MTP adapters")
     data = prepare_data(load_run_config(run_dir), Path(run_dir))
     val, rng = data.tokens.val, np.random.default_rng(0)  # read by windows: a split may be large
     P = min(32, model.context_length // 2)
@@ -323,10 +324,10 @@ def bench_speculative(run_dir: str, repeats: int, batches: tuple[int, ...] = (1,
 def run_mode(mode: str, cfg: RunConfig, repeats: int = 5, run: str | None = None) -> Iterator[dict[str, Any]]:
     """The mode's records, each yielded as soon as it is measured."""
     if mode not in MODES:
-        raise ValueError(f"unknown bench mode {mode!r}: one of {', '.join(MODES)}")
+        raise UserError(f"unknown bench mode {mode!r}: one of {', '.join(MODES)}")
     if mode == "speculative":
         if run is None:
-            raise ValueError("bench speculative needs --run DIR: a trained run with model.mtp_depth >= 1")
+            raise UserError("bench speculative needs --run DIR: a trained run with model.mtp_depth >= 1")
         return bench_speculative(run, repeats)
     return {"train": bench_train, "forward": bench_forward, "compile": bench_compile,
             "decode": bench_decode}[mode](cfg, repeats)

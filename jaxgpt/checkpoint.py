@@ -16,6 +16,7 @@ warning and never delete, rename or create anything, so a run being trained is s
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import sys
 import warnings
@@ -29,10 +30,61 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jaxgpt.config import ModelConfig, RunConfig, load_config
+from jaxgpt.config import ModelConfig, RunConfig, build_config, load_config
+from jaxgpt.errors import UserError
 from jaxgpt.model import Params
 from jaxgpt.rundir import RunDir
+from jaxgpt.state_layout import Carried, NotCarried, carry_over, leaf_names, same_layout
 from jaxgpt.step import TrainState, init_state
+
+
+class Damaged(ValueError):
+    """A checkpoint whose bytes are damaged: a file missing, truncated or corrupt, a manifest that
+    does not parse, a checksum that does not match. A trainer moves it aside; a reader skips it."""
+
+
+class StateMismatch(UserError):
+    """A good checkpoint of another model's state: refused, and left where it is. `saved_config`:
+    the config its manifest records, to name what differs."""
+
+    def __init__(self, message: str, saved_config: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.saved_config = saved_config
+
+
+# tensorstore's and Orbax's words for bytes that are not there or not what was written.
+DAMAGE_CODES = ("DATA_LOSS", "OUT_OF_RANGE", "NOT_FOUND", "INVALID_ARGUMENT", "FAILED_PRECONDITION")
+
+
+def _classified(err: Exception) -> Exception:
+    """`err`, as Damaged where it says the files are damaged; as itself otherwise (memory, I/O,
+    a bug), so that nothing good is moved aside for it."""
+    if isinstance(err, (Damaged, StateMismatch)):
+        return err
+    damaged = isinstance(err, (FileNotFoundError, EOFError, json.JSONDecodeError, UnicodeDecodeError)) or (
+        isinstance(err, ValueError) and any(code in str(err) for code in DAMAGE_CODES))
+    if not damaged:
+        return err
+    first = str(err).strip().splitlines()[0][:200] if str(err).strip() else ""
+    return Damaged(f"unreadable ({type(err).__name__}: {first})")
+
+
+def _assemble(like: TrainState, carried: Carried, raw: dict[str, Any], fresh: TrainState | None) -> TrainState:
+    """The state asked for, each leaf from the saved one it continues or from `fresh`, placed as
+    `like` places it."""
+    fresh_leaves = dict(leaf_names(fresh)) if fresh is not None else {}
+    leaves = []
+    for name, want in leaf_names(like):
+        source = carried.sources[name]
+        if source is not None:
+            value = raw[source]
+        elif name in fresh_leaves:
+            value = fresh_leaves[name]
+        else:
+            value = jnp.zeros(want.shape, want.dtype)
+        sharding = getattr(want, "sharding", None)
+        leaves.append(jax.device_put(value, sharding) if sharding is not None else value)
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(like), leaves)
 
 
 @jax.jit
@@ -180,7 +232,8 @@ class Checkpointer:
         if self.read_only:
             raise PermissionError(f"{self.directory} is open read-only")
         step = int(state.step)
-        manifest = {**manifest, "step": step, "data_step": step, "state_checksum": int(tree_checksum(state))}
+        manifest = {**manifest, "step": step, "data_step": step, "state_checksum": int(tree_checksum(state)),
+                    "state_leaves": [name for name, _ in leaf_names(state)]}
         self.manager.save(step, args=ocp.args.Composite(
             state=ocp.args.PyTreeSave(state), manifest=ocp.args.JsonSave(manifest)
         ), force=True)
@@ -191,39 +244,101 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
-    def restore(self, like: TrainState, step: int) -> tuple[TrainState, dict[str, Any]]:
-        """Restore `step` into the structure and shardings of `like`; ValueError if damaged."""
-        abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, like)
+    def restore(self, like: TrainState, step: int, fresh: TrainState | None = None
+                ) -> tuple[TrainState, dict[str, Any], Carried | None]:
+        """Restore `step` into the structure and shardings of `like`: (state, manifest, how it was
+        carried over or None). A saved state of another layout whose params and step match is
+        carried over (`state_layout`), its new leaves taken from `fresh` (zeros without one: a
+        reader needs only the params); one that is another model's raises StateMismatch. Damage
+        raises Damaged; any other error (memory, I/O) is raised as itself."""
+        manifest = self._manifest(step)
+        saved = self._saved_leaves(step)
+        wanted = leaf_names(like)
+        if same_layout(wanted, saved):
+            abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, like)
+            state = self._read(step, abstract, ocp.checkpoint_utils.construct_restore_args(abstract))
+            order, carried = [leaf for _, leaf in leaf_names(state)], None
+        else:
+            try:
+                carried = carry_over(wanted, saved)
+            except NotCarried as err:
+                raise StateMismatch(f"checkpoint {self.directory / str(step)} is not this model's: {err}",
+                                    manifest.get("config")) from None
+            one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+            raw = dict(leaf_names(self._read(step, None, jax.tree_util.tree_map(
+                lambda m: ocp.ArrayRestoreArgs(sharding=one, global_shape=m.shape, dtype=m.dtype),
+                self._metadata(step)))))
+            names = self._saved_order(manifest, set(raw))
+            order = None if names is None else [raw[name] for name in names]
+            state = _assemble(like, carried, raw, fresh)
+        if order is not None and int(tree_checksum(order)) != manifest.get("state_checksum"):
+            raise Damaged("its contents do not match the checksum written with it")
+        return state, manifest, carried
+
+    def _manifest(self, step: int) -> dict[str, Any]:
         try:
             with _loops_that_finish_their_tasks():
-                restored = self.manager.restore(step, args=ocp.args.Composite(
-                    state=ocp.args.PyTreeRestore(abstract, ocp.checkpoint_utils.construct_restore_args(abstract)),
-                    manifest=ocp.args.JsonRestore()
-                ))
-        except Exception as err:  # Orbax raises many types for missing or unreadable files
-            raise ValueError(f"unreadable ({type(err).__name__}: {str(err).splitlines()[0][:200]})") from None
-        state, manifest = restored["state"], restored["manifest"]
+                manifest = self.manager.restore(step, args=ocp.args.Composite(
+                    manifest=ocp.args.JsonRestore()))["manifest"]
+        except Exception as err:
+            raise _classified(err) from None
         if not isinstance(manifest, dict) or manifest.get("step") != step:
-            raise ValueError("its manifest is missing or names another step")
-        if int(tree_checksum(state)) != manifest.get("state_checksum"):
-            raise ValueError("its contents do not match the checksum written with it")
-        return state, manifest
+            raise Damaged("its manifest is missing or names another step")
+        return manifest
+
+    def _metadata(self, step: int) -> Any:
+        try:
+            with _loops_that_finish_their_tasks():
+                metadata = self.manager.item_metadata(step)["state"]
+        except Exception as err:
+            raise _classified(err) from None
+        tree = getattr(metadata, "tree", metadata)
+        if not tree:
+            raise Damaged("the description of its arrays is missing")
+        return tree
+
+    def _saved_leaves(self, step: int) -> dict[str, Any]:
+        """The saved arrays' metadata (shape, dtype) by name, in the saved tree's order."""
+        return dict(leaf_names(self._metadata(step)))
+
+    def _read(self, step: int, abstract: Any, restore_args: Any) -> Any:
+        try:
+            with _loops_that_finish_their_tasks():
+                return self.manager.restore(step, args=ocp.args.Composite(
+                    state=ocp.args.PyTreeRestore(abstract, restore_args)))["state"]
+        except Exception as err:
+            raise _classified(err) from None
+
+    @staticmethod
+    def _saved_order(manifest: dict[str, Any], names: set[str]) -> list[str] | None:
+        """The saved leaves' names in the order the checksum took them: as the manifest lists
+        them, else as the saved config lays its state out (None where that is another layout:
+        the checksum cannot be recomputed)."""
+        order = manifest.get("state_leaves")
+        if order is None and isinstance(manifest.get("config"), dict):
+            try:
+                saved_cfg = build_config(manifest["config"])
+            except ValueError:
+                return None
+            order = [name for name, _ in leaf_names(jax.eval_shape(lambda: init_state(saved_cfg, jax.random.key(0))))]
+        return order if order is not None and set(order) == names and len(order) == len(names) else None
 
     def restore_newest_good(
-        self, like: TrainState, warn: Callable[[str], None]
-    ) -> tuple[TrainState, dict[str, Any]] | None:
-        """The newest checkpoint that restores and verifies. A damaged newer one is moved aside by a
-        trainer and skipped by a reader. A reader skips one the trainer removed while it read, and
-        lists again when every checkpoint it listed was removed (a trainer that saves faster than
-        the reader restores, keeping few)."""
+        self, like: TrainState, warn: Callable[[str], None], fresh: TrainState | None = None
+    ) -> tuple[TrainState, dict[str, Any], Carried | None] | None:
+        """The newest checkpoint that restores and verifies (`restore`). A damaged newer one is
+        moved aside by a trainer and skipped by a reader; a good one of another layout is carried
+        over, or refused (StateMismatch), never moved. A reader skips one the trainer removed
+        while it read, and lists again when every checkpoint it listed was removed (a trainer
+        that saves faster than the reader restores, keeping few)."""
         self.manager.wait_until_finished()
         for _ in range(READER_OPEN_ATTEMPTS if self.read_only else 1):
             removed = False
             for step in reversed(self.steps()):
+                folder = self.directory / str(step)
                 try:
-                    return self.restore(like, step)
-                except ValueError as err:
-                    folder = self.directory / str(step)
+                    return self.restore(like, step, fresh)
+                except Damaged as err:
                     if self.read_only:
                         gone = not folder.exists()  # the trainer dropped it (keep_checkpoints)
                         if not gone:
@@ -236,6 +351,11 @@ class Checkpointer:
                     folder.rename(aside)
                     self.manager.close()
                     self.manager = self._open()
+                except Exception:
+                    if self.read_only and not folder.exists():  # removed while it was read
+                        removed = True
+                        continue
+                    raise
             if not removed:
                 return None
             self.manager.close()
@@ -279,7 +399,7 @@ def finished_at(run_dir: str | Path, steps: int) -> int | None:
         like = on_one_device(jax.eval_shape(lambda: init_state(cfg, jax.random.key(0))))
         try:
             checkpointer.restore(like, newest)
-        except ValueError:
+        except (Damaged, StateMismatch):
             return None
         return newest
     finally:
@@ -308,5 +428,5 @@ def load_newest(run_dir: str | Path, warn: Callable[[str], None] = _to_stderr) -
         checkpointer.close()
     if found is None:
         raise FileNotFoundError(f"no good checkpoint in {RunDir(run_dir).checkpoints}")
-    state, manifest = found
+    state, manifest, _ = found
     return cfg.model, state.params, manifest["step"]

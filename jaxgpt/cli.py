@@ -7,12 +7,16 @@ import argparse
 import os
 import platform
 import sys
+import traceback
 from collections.abc import Callable, Mapping, Sequence
 
 from jaxgpt.commands import (cmd_bench, cmd_dry_run, cmd_eval, cmd_export_hf, cmd_generate, cmd_import_hf, cmd_launch,
                              cmd_prepare, cmd_sweep, cmd_train)
 
-EXPECTED_ERRORS = (ValueError, ImportError, FileNotFoundError, NotADirectoryError, PermissionError)
+from jaxgpt.errors import Failure, UserError
+
+# One line each (jaxgpt.errors); any other exception is a bug and keeps its traceback.
+USER_ERRORS = (UserError, OSError, ImportError)
 
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
@@ -227,10 +231,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             signals.release()  # Python's own handling from here: Ctrl-C is a KeyboardInterrupt
         return func(args)
-    except EXPECTED_ERRORS as err:
+    except (*USER_ERRORS, Failure) as err:
+        if os.environ.get("JAXGPT_DEBUG") == "1":
+            traceback.print_exc()
         message = str(err).splitlines()[0] if str(err) else type(err).__name__
         print(f"jaxgpt {args.command}: error: {message}", file=sys.stderr)
-        return 2
+        return 1 if isinstance(err, Failure) else 2
     except KeyboardInterrupt as err:
         from jaxgpt.signals import Stopped
 

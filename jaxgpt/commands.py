@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from jaxgpt.config import load_config
+from jaxgpt.errors import UserError
 from jaxgpt.rundir import RunDir
 
 
@@ -73,7 +74,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     from jaxgpt.data import prepare_data
 
     if args.workers is not None and args.workers < 1:
-        raise ValueError(f"--workers {args.workers}: at least one encoding process is needed")
+        raise UserError(f"--workers {args.workers}: at least one encoding process is needed")
     cfg = load_config(args.config, _with_data(args))
     with signals.handled():
         signals.check("before the token store was prepared")
@@ -106,7 +107,7 @@ def _train(args: argparse.Namespace) -> int:
         base = RunConfig(model=model_config(hf_dir), data=data)
     cfg = load_config(args.config, overrides, base=base)
     if hf_dir is not None and own_tokenizer is None and cfg.data.tokenizer in ("bpe", "char"):
-        raise ValueError(f"--init-from {args.init_from}: the folder has no tokenizer.json (nor GPT-2's "
+        raise UserError(f"--init-from {args.init_from}: the folder has no tokenizer.json (nor GPT-2's "
                          "vocab.json + merges.txt), and a new tokenizer would not match its weights; "
                          "add one, or name one with --set data.tokenizer=PATH")
     summary = train(cfg, out_dir=args.out, resume=args.resume, force=args.force, progress=not args.no_progress,
@@ -133,7 +134,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
                     ("--num-fewshot", args.num_fewshot), ("--batch-size", args.batch_size), ("--out", args.out))
                     if value is not None]
     if harness_only:
-        raise ValueError(f"{harness_only[0]} applies to harness tasks: name them with --tasks")
+        raise UserError(f"{harness_only[0]} applies to harness tasks: name them with --tasks")
     import dataclasses
 
     import functools
@@ -162,12 +163,12 @@ def _eval_tasks(args: argparse.Namespace) -> int:
     from jaxgpt.config import names_list
 
     if args.data is not None or args.batches is not None:
-        raise ValueError("--data and --batches set the validation loss; --tasks runs harness tasks: use one or the other")
+        raise UserError("--data and --batches set the validation loss; --tasks runs harness tasks: use one or the other")
     names = names_list(args.tasks, "--tasks")
     if not names:
-        raise ValueError("--tasks names no task")
+        raise UserError("--tasks names no task")
     if args.num_fewshot is not None and args.num_fewshot < 0:
-        raise ValueError(f"--num-fewshot {args.num_fewshot}: the number of examples cannot be negative")
+        raise UserError(f"--num-fewshot {args.num_fewshot}: the number of examples cannot be negative")
     from jaxgpt.harness import DEFAULT_BATCH_SIZE, HarnessLM, results_json, results_table, run_tasks, task_manager, task_record
     from jaxgpt.metrics import MetricsWriter
 
@@ -196,7 +197,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.stop is not None:
         stop_ids = [int(i) for i in tokenizer.encode(args.stop)]
         if len(stop_ids) != 1:
-            raise ValueError(f"--stop {args.stop!r} encodes to {len(stop_ids)} tokens {stop_ids}; it must be one token")
+            raise UserError(f"--stop {args.stop!r} encodes to {len(stop_ids)} tokens {stop_ids}; it must be one token")
         stop_token = stop_ids[0]
     if args.speculative and args.temperature != 0:
         print("note: --speculative decodes greedily; using --temperature 0", file=sys.stderr)

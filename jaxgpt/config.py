@@ -16,8 +16,10 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from jaxgpt.errors import UserError
 
-class ConfigError(ValueError):
+
+class ConfigError(UserError):
     """A config value or key that cannot run; the message names the key and why."""
 
 
@@ -42,43 +44,65 @@ def _positive(section: str, obj: Any, *names: str, allow_zero: bool = False) -> 
             raise ConfigError(f"{section}.{name} = {value!r} must be {bound}")
 
 
+# The roles a key plays, declared once beside each field (`entry`) and read wherever a rule asks
+# which keys may differ: `keys_with(role)`.
+IDENTITY = "identity"  # in the fingerprint: part of what a run computes and records
+RESUME = "resume"  # free on --resume: how long a run goes, how often it reports, how it is laid out
+FORCE = "force"  # accepted by --resume --force (never the model, the tokenizer or the optimiser)
+INIT_FROM = "init_from"  # free on --init-from HF_DIR: the function the weights compute stays theirs
+SWEEP = "sweep"  # varied between the members of one vmapped sweep group (jaxgpt.sweep)
+ROLES = (IDENTITY, RESUME, FORCE, INIT_FROM, SWEEP)
+
 REMAT_POLICIES = ("none", "dots", "full")
+PARALLEL_MODES = ("auto", "single", "sharded", "pmap")
+
+
+def entry(default: Any, *roles: str, bool_names: tuple[str, str] | None = None) -> Any:
+    """A config field with its default and its roles (`ROLES`); `bool_names`: the values TOML's
+    false and true stand for, for a key that was a switch before it named a choice."""
+    unknown = set(roles) - set(ROLES)
+    if unknown:
+        raise ValueError(f"unknown roles {sorted(unknown)}")
+    metadata: dict[str, Any] = {"roles": frozenset(roles)}
+    if bool_names:
+        metadata["bool"] = bool_names
+    return field(default=default, metadata=metadata)
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     """The decoder. Defaults are the Day 1 baseline (541,952 parameters)."""
 
-    vocab_size: int = 1024
-    context_length: int = 128
-    d_model: int = 128
-    n_layers: int = 2
-    n_heads: int = 4
-    kv_heads: int | None = None  # None: as many as n_heads (plain multi-head attention)
-    hidden_size: int | None = None  # None: 4 * d_model, or the matched width (ffn_match_params)
+    vocab_size: int = entry(1024, IDENTITY)
+    context_length: int = entry(128, IDENTITY, INIT_FROM)
+    d_model: int = entry(128, IDENTITY)
+    n_layers: int = entry(2, IDENTITY)
+    n_heads: int = entry(4, IDENTITY)
+    kv_heads: int | None = entry(None, IDENTITY)  # None: as many as n_heads (plain multi-head attention)
+    hidden_size: int | None = entry(None, IDENTITY)  # None: 4 * d_model, or the matched width (ffn_match_params)
     # SwiGLU's three matrices at the parameters of GELU's two: hidden_size 2/3 x 4 x d_model, to the
     # nearest multiple of 8 (at least 8); 680 at d_model 256. GELU's stays 4 x d_model.
-    ffn_match_params: bool = False
-    position: str = "learned"  # "learned" | "rope" | "sinusoidal" (a fixed sin/cos table, no parameters)
-    rope_base: float = 10000.0
-    rope_scale: float = 1.0
-    norm: str = "layernorm"
-    norm_eps: float = 1e-5
-    residual: str = "pre"
-    feed_forward: str = "gelu"
-    bias: bool = False
-    tie_embeddings: bool = True
-    dropout: float = 0.0
-    mtp_depth: int = 0
-    init_std: float = 0.02
-    dtype: str = "float32"
-    scan_layers: bool = True
+    ffn_match_params: bool = entry(False, RESUME, INIT_FROM)
+    position: str = entry("learned", IDENTITY)  # "learned" | "rope" | "sinusoidal" (a fixed sin/cos table, no parameters)
+    rope_base: float = entry(10000.0, IDENTITY)
+    rope_scale: float = entry(1.0, IDENTITY)
+    norm: str = entry("layernorm", IDENTITY)
+    norm_eps: float = entry(1e-5, IDENTITY)
+    residual: str = entry("pre", IDENTITY)
+    feed_forward: str = entry("gelu", IDENTITY)
+    bias: bool = entry(False, IDENTITY)
+    tie_embeddings: bool = entry(True, IDENTITY)
+    dropout: float = entry(0.0, IDENTITY, INIT_FROM)
+    mtp_depth: int = entry(0, IDENTITY, INIT_FROM)
+    init_std: float = entry(0.02, IDENTITY, INIT_FROM)
+    dtype: str = entry("float32", IDENTITY, INIT_FROM)
+    scan_layers: bool = entry(True, IDENTITY, INIT_FROM)
     # What a train step's backward pass recomputes instead of keeping from the forward pass:
     # "none" (keeps every block's activations), "dots" (keeps the matmul outputs, recomputes the
     # norms, activations and attention), "full" (keeps each block's input only). TOML false / true
     # are "none" / "full". How the step runs, not what it computes: a run may change it on resume.
-    remat: str = field(default="none", metadata={"bool": ("none", "full")})
-    kernels: str = "auto"  # "auto": tuned for the backend (jaxgpt.kernels); "xla": the portable ones
+    remat: str = entry("none", RESUME, INIT_FROM, bool_names=("none", "full"))
+    kernels: str = entry("auto", RESUME, INIT_FROM)  # "auto": tuned for the backend (jaxgpt.kernels); "xla": the portable ones
 
     def __post_init__(self) -> None:
         s = "model"
@@ -138,12 +162,12 @@ def matched_hidden_size(d_model: int) -> int:
 class DataConfig:
     # "stdlib" | a text, JSONL (.jsonl, .jsonl.gz) or Parquet file, or a folder or glob of them |
     # a folder of llm.c token shards | "hf:NAME[@REVISION][:SPLIT]"
-    source: str = "stdlib"
-    tokenizer: str = "bpe"  # "bpe" | "char" | a path to a tokenizer.json
-    val_fraction: float = 0.1
-    text_field: str = "text"  # the field (JSONL) or column (Parquet, hf:) that holds a document
-    tokenizer_sample_bytes: int = 64_000_000  # BPE learns from at most this much train text
-    shard_tokens: int = 100_000_000  # tokens per shard of the token store (llm.c's size)
+    source: str = entry("stdlib", IDENTITY, FORCE, INIT_FROM)
+    tokenizer: str = entry("bpe", IDENTITY, INIT_FROM)  # "bpe" | "char" | a path to a tokenizer.json
+    val_fraction: float = entry(0.1, IDENTITY, FORCE, INIT_FROM)
+    text_field: str = entry("text", IDENTITY, FORCE, INIT_FROM)  # the field (JSONL) or column (Parquet, hf:) that holds a document
+    tokenizer_sample_bytes: int = entry(64_000_000, IDENTITY, FORCE, INIT_FROM)  # BPE learns from at most this much train text
+    shard_tokens: int = entry(100_000_000, IDENTITY, FORCE, INIT_FROM)  # tokens per shard of the token store (llm.c's size)
 
     def __post_init__(self) -> None:
         _finite("data", self)
@@ -158,34 +182,34 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    steps: int = 1500
-    batch_size: int = 32  # global, summed over devices and micro-batches
-    grad_accum: int = 1
-    optimizer: str = "adamw"  # or "muon": Muon for the hidden matrices, AdamW for the rest
-    lr: float = 3e-3  # AdamW's peak (with "muon": that of embeddings, head, norms and biases)
-    min_lr: float = 3e-4
-    muon_lr: float = 0.02  # Muon's peak, on the same schedule shape (min_lr / lr of it at the end)
-    warmup_steps: int = 100
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.99
-    adam_eps: float = 1e-8
-    clip_norm: float = 1.0  # 0 disables clipping
-    mtp_weight: float = 0.3  # weight of the multi-token-prediction losses beside the next-token loss
-    seed: int = 0
-    log_every: int = 10
-    eval_every: int = 250
-    eval_batches: int = 20
-    sample_tokens: int = 200  # generated at each eval; 0 disables the samples
-    checkpoint_every: int = 500
-    keep_checkpoints: int = 3
-    parallel: str = "auto"
-    fsdp: int = 1
+    steps: int = entry(1500, IDENTITY, RESUME, FORCE, INIT_FROM)
+    batch_size: int = entry(32, IDENTITY, FORCE, INIT_FROM)  # global, summed over devices and micro-batches
+    grad_accum: int = entry(1, IDENTITY, FORCE, INIT_FROM)
+    optimizer: str = entry("adamw", IDENTITY, INIT_FROM)  # or "muon": Muon for the hidden matrices, AdamW for the rest
+    lr: float = entry(3e-3, IDENTITY, FORCE, INIT_FROM, SWEEP)  # AdamW's peak (with "muon": that of embeddings, head, norms and biases)
+    min_lr: float = entry(3e-4, IDENTITY, FORCE, INIT_FROM, SWEEP)
+    muon_lr: float = entry(0.02, IDENTITY, FORCE, INIT_FROM, SWEEP)  # Muon's peak, on the same schedule shape (min_lr / lr of it at the end)
+    warmup_steps: int = entry(100, IDENTITY, FORCE, INIT_FROM, SWEEP)
+    weight_decay: float = entry(0.1, IDENTITY, FORCE, INIT_FROM, SWEEP)
+    beta1: float = entry(0.9, IDENTITY, FORCE, INIT_FROM, SWEEP)
+    beta2: float = entry(0.99, IDENTITY, FORCE, INIT_FROM, SWEEP)
+    adam_eps: float = entry(1e-8, IDENTITY, FORCE, INIT_FROM)
+    clip_norm: float = entry(1.0, IDENTITY, FORCE, INIT_FROM)  # 0 disables clipping
+    mtp_weight: float = entry(0.3, IDENTITY, FORCE, INIT_FROM)  # weight of the multi-token-prediction losses beside the next-token loss
+    seed: int = entry(0, IDENTITY, FORCE, INIT_FROM, SWEEP)
+    log_every: int = entry(10, IDENTITY, RESUME, FORCE, INIT_FROM)
+    eval_every: int = entry(250, IDENTITY, RESUME, FORCE, INIT_FROM)
+    eval_batches: int = entry(20, IDENTITY, RESUME, FORCE, INIT_FROM)
+    sample_tokens: int = entry(200, IDENTITY, RESUME, FORCE, INIT_FROM)  # generated at each eval; 0 disables the samples
+    checkpoint_every: int = entry(500, IDENTITY, RESUME, FORCE, INIT_FROM)
+    keep_checkpoints: int = entry(3, IDENTITY, RESUME, FORCE, INIT_FROM)
+    parallel: str = entry("auto", IDENTITY, RESUME, FORCE, INIT_FROM)
+    fsdp: int = entry(1, IDENTITY, RESUME, FORCE, INIT_FROM)
     # lm-evaluation-harness tasks on the live parameters, logged beside the val loss (jaxgpt[eval]):
-    eval_tasks: str = ""  # task names, comma-separated; "" runs none
-    eval_tasks_every: int | None = None  # None: at every eval_every steps
-    eval_tasks_path: str = ""  # a folder of task YAML files, as `jaxgpt eval --include-path` takes
-    eval_tasks_limit: int = 0  # documents per task; 0: all of them
+    eval_tasks: str = entry("", IDENTITY, RESUME, FORCE, INIT_FROM)  # task names, comma-separated; "" runs none
+    eval_tasks_every: int | None = entry(None, IDENTITY, RESUME, FORCE, INIT_FROM)  # None: at every eval_every steps
+    eval_tasks_path: str = entry("", IDENTITY, RESUME, FORCE, INIT_FROM)  # a folder of task YAML files, as `jaxgpt eval --include-path` takes
+    eval_tasks_limit: int = entry(0, IDENTITY, RESUME, FORCE, INIT_FROM)  # documents per task; 0: all of them
 
     def __post_init__(self) -> None:
         s = "train"
@@ -199,7 +223,7 @@ class TrainConfig:
         _positive(s, self, "eval_batches", "checkpoint_every", "keep_checkpoints", "fsdp", "adam_eps")
         _positive(s, self, "min_lr", "warmup_steps", "weight_decay", "clip_norm", "sample_tokens",
                   "seed", "mtp_weight", allow_zero=True)
-        _choice(s, "parallel", self.parallel, ("auto", "single", "sharded", "pmap"))
+        _choice(s, "parallel", self.parallel, PARALLEL_MODES)
         _choice(s, "optimizer", self.optimizer, ("adamw", "muon"))
         if self.min_lr > self.lr:
             raise ConfigError(f"train.min_lr = {self.min_lr} exceeds train.lr = {self.lr}")
@@ -233,12 +257,10 @@ class RunConfig:
         return dataclasses.asdict(self)
 
     def fingerprint(self, exclude: tuple[str, ...] = ()) -> str:
-        """sha256 of the resolved config; `exclude` drops `section.key` entries (run-length keys)."""
+        """sha256 of the resolved config's IDENTITY keys; `exclude` drops `section.key` entries
+        (`keys_with(RESUME)`: what a resumed run may change)."""
         data = self.to_dict()
-        data["model"].pop("kernels")  # how the model is computed, not what: runs resume across it
-        data["model"].pop("ffn_match_params")  # how hidden_size was chosen; the width itself is covered
-        data["model"].pop("remat")  # what the backward pass recomputes: the same numbers
-        for dotted in exclude:
+        for dotted in (*(name for name in all_keys() if IDENTITY not in roles_of(name)), *exclude):
             section, key = dotted.split(".", 1)
             data[section].pop(key, None)
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
@@ -253,6 +275,25 @@ class RunConfig:
 
 
 SECTIONS: dict[str, type] = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig}
+
+
+def all_keys() -> list[str]:
+    """Every key, as `section.key`."""
+    return [f"{section}.{f.name}" for section, cls in SECTIONS.items() for f in fields(cls)]
+
+
+def roles_of(dotted: str) -> frozenset[str]:
+    """The roles `section.key` declares."""
+    section, name = dotted.split(".", 1)
+    return next(f.metadata["roles"] for f in fields(SECTIONS[section]) if f.name == name)
+
+
+def keys_with(role: str, section: str | None = None) -> tuple[str, ...]:
+    """The keys (`section.key`, or bare names within `section`) that play `role`."""
+    names = [name for name in all_keys() if role in roles_of(name)]
+    if section is None:
+        return tuple(names)
+    return tuple(name.split(".", 1)[1] for name in names if name.startswith(section + "."))
 
 
 def _toml_value(value: Any) -> str:

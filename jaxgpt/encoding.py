@@ -28,6 +28,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from jaxgpt.errors import Failure, UserError
 from jaxgpt.tokenizer import BYTE_DECODER
 
 # GPT-2's pre-tokenizer, as Hugging Face's ByteLevel(use_regex=True) and tiktoken's "gpt2" apply it
@@ -112,7 +113,7 @@ def _receive(stream: BinaryIO) -> Any:
 
 def serve(inp: BinaryIO, out: BinaryIO) -> None:
     """A worker: the first message is (tokenizer_json, kind, eot, dtype), each next one a task
-    (texts, ends); every task's answer is ("ok", *encode()'s pair), or ("error", message)."""
+    (texts, ends); every task's answer is ("ok", *encode()'s pair), or ("error", type, message)."""
     tokenizer_json, kind, eot, dtype = _receive(inp)
     encoder = Encoder(tokenizer_json, kind, eot)
     while True:
@@ -123,7 +124,7 @@ def serve(inp: BinaryIO, out: BinaryIO) -> None:
         try:
             _send(out, ("ok", *encoder.encode(texts, ends, np.dtype(dtype))))
         except Exception as err:  # reported to the parent, which raises it there
-            _send(out, ("error", f"{type(err).__name__}: {err}"))
+            _send(out, ("error", type(err).__name__, str(err)))
 
 
 class Workers:
@@ -172,13 +173,22 @@ class Workers:
             yield self._result(pending.popleft())
 
     def _result(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        """The oldest pending result of worker `index`. A document it could not encode is bad input
+        (UserError); a worker that died (killed by the OOM killer, say) or ran out of memory is a
+        Failure, which leaves what was prepared in place."""
         try:
             result = _receive(self.procs[index].stdout)
         except EOFError:
             code = self.procs[index].wait()
-            raise RuntimeError(f"encoding worker {index} ended unexpectedly (exit code {code})") from None
+            how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"ended with exit code {code}"
+            raise Failure(f"encoding worker {index} {how}; what was prepared is kept: run the command again "
+                          "to continue") from None
         if result[0] == "error":
-            raise ValueError(result[1])
+            _, kind, message = result
+            if kind == "MemoryError":
+                raise Failure(f"encoding worker {index} ran out of memory; what was prepared is kept: run the "
+                              "command again with fewer --workers to continue")
+            raise UserError(f"{kind}: {message}")
         return result[1], result[2]
 
     def close(self) -> None:

@@ -48,6 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgpt.config import ModelConfig
+from jaxgpt.errors import UserError
 from jaxgpt.kernels import choose_kernels
 from jaxgpt.model import Cache, Params, forward_cached, init_cache
 
@@ -61,11 +62,11 @@ _TOP_P_SLACK = 1e-6
 
 def _check_options(temperature: float, top_k: int | None, top_p: float | None) -> None:
     if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0):
-        raise ValueError(f"temperature must be a finite number >= 0 (0 means greedy), got {temperature!r}")
+        raise UserError(f"temperature must be a finite number >= 0 (0 means greedy), got {temperature!r}")
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
-        raise ValueError(f"top_k must be an integer >= 1 or None, got {top_k!r}")
+        raise UserError(f"top_k must be an integer >= 1 or None, got {top_k!r}")
     if top_p is not None and not (isinstance(top_p, (int, float)) and 0.0 < top_p <= 1.0):
-        raise ValueError(f"top_p must be in (0, 1] or None, got {top_p!r}")
+        raise UserError(f"top_p must be in (0, 1] or None, got {top_p!r}")
 
 
 def sample_logits(
@@ -295,24 +296,24 @@ def slide_length(cfg: ModelConfig) -> int:
 
 def _check_prompts(cfg: ModelConfig, prompts: Sequence[Any]) -> list[np.ndarray]:
     if len(prompts) == 0:
-        raise ValueError("prompts is empty: give at least one prompt")
+        raise UserError("prompts is empty: give at least one prompt")
     checked = []
     for i, prompt in enumerate(prompts):
         p = np.asarray(prompt)
         if p.ndim != 1 or p.size == 0:
-            raise ValueError(
+            raise UserError(
                 f"prompt {i} must be a non-empty 1-D sequence of token IDs (a prompt needs at "
                 f"least one token), got shape {p.shape}"
             )
         if not np.issubdtype(p.dtype, np.integer):
-            raise ValueError(f"prompt {i} must hold integer token IDs, got dtype {p.dtype}")
+            raise UserError(f"prompt {i} must hold integer token IDs, got dtype {p.dtype}")
         if p.size > cfg.context_length:
-            raise ValueError(
+            raise UserError(
                 f"prompt {i} has {p.size} tokens, more than model.context_length = {cfg.context_length}: "
                 f"shorten it (the model never sees more than its last {cfg.context_length} tokens)"
             )
         if p.min() < 0 or p.max() >= cfg.vocab_size:
-            raise ValueError(
+            raise UserError(
                 f"prompt {i} has token IDs outside [0, {cfg.vocab_size}) (model.vocab_size): "
                 f"[{int(p.min())}, {int(p.max())}]"
             )
@@ -355,21 +356,21 @@ def generate_tokens(
     _check_options(temperature, top_k, top_p)
     rows = _check_prompts(cfg, prompts)
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+        raise UserError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
     if stop_token is not None and not 0 <= stop_token < cfg.vocab_size:
-        raise ValueError(f"stop_token {stop_token} lies outside [0, {cfg.vocab_size}) and can never be produced")
+        raise UserError(f"stop_token {stop_token} lies outside [0, {cfg.vocab_size}) and can never be produced")
     if vocab_limit is not None and not 1 <= vocab_limit <= cfg.vocab_size:
-        raise ValueError(f"vocab_limit must be in [1, {cfg.vocab_size}], got {vocab_limit!r}")
+        raise UserError(f"vocab_limit must be in [1, {cfg.vocab_size}], got {vocab_limit!r}")
     if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
-        raise ValueError(f"chunk must be an integer >= 1 or None, got {chunk!r}")
+        raise UserError(f"chunk must be an integer >= 1 or None, got {chunk!r}")
     longest = max(len(row) for row in rows)
     if prompt_width is not None and not longest <= prompt_width <= cfg.context_length:
-        raise ValueError(f"prompt_width must be in [{longest}, {cfg.context_length}] (the longest prompt, "
+        raise UserError(f"prompt_width must be in [{longest}, {cfg.context_length}] (the longest prompt, "
                          f"model.context_length), got {prompt_width!r}")
     if speculative and cfg.mtp_depth < 1:
-        raise ValueError("speculative decoding drafts with the MTP adapters: it needs model.mtp_depth >= 1")
+        raise UserError("speculative decoding drafts with the MTP adapters: it needs model.mtp_depth >= 1")
     if speculative and temperature != 0:
-        raise ValueError("speculative decoding is greedy: use temperature 0")
+        raise UserError("speculative decoding is greedy: use temperature 0")
     options = dict(cfg=cfg, temperature=float(temperature), top_k=top_k,
                    top_p=None if top_p is None else float(top_p), vocab_limit=vocab_limit,
                    draft=cfg.mtp_depth if speculative else 0)

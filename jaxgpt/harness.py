@@ -54,6 +54,7 @@ from tqdm.auto import tqdm
 from jaxgpt import distributed
 from jaxgpt.checkpoint import load_newest
 from jaxgpt.config import ModelConfig, TrainConfig, names_list
+from jaxgpt.errors import UserError
 from jaxgpt.generate import FINISHED, generate_tokens
 from jaxgpt.model import Params, count_params
 from jaxgpt.rundir import RunDir
@@ -70,7 +71,7 @@ BOOTSTRAP_ITERS = 1000
 
 def _check_tokenizer(tokenizer: Tokenizer) -> None:
     if tokenizer.eot_id is None:
-        raise ValueError("the run's tokenizer has no end-of-text token, which the harness puts before an empty "
+        raise UserError("the run's tokenizer has no end-of-text token, which the harness puts before an empty "
                          "context and each document")
 
 
@@ -90,7 +91,7 @@ class HarnessLM(TemplateLM):
         super().__init__()
         _check_tokenizer(tokenizer)
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch size must be an integer >= 1, got {batch_size!r}")
+            raise UserError(f"batch size must be an integer >= 1, got {batch_size!r}")
         self.cfg, self.params, self.text_tokenizer = cfg, _on_one_device(params), tokenizer
         self.batch_size, self.progress, self.step = batch_size, progress, step
         self.generation_widths = coarse_widths(cfg.context_length)  # decoding, not the prefill, takes the time
@@ -227,7 +228,7 @@ def _sampling(options: dict[str, Any]) -> dict[str, Any]:
     """generate_tokens' sampling arguments for the harness's normalised generation options."""
     unknown = sorted(set(options) - {"do_sample", "temperature", "top_k", "top_p"})
     if unknown:
-        raise ValueError(f"generation option {unknown[0]!r} is not supported by jaxgpt's generator (it takes "
+        raise UserError(f"generation option {unknown[0]!r} is not supported by jaxgpt's generator (it takes "
                          "do_sample, temperature, top_k, top_p, until and max_gen_toks)")
     if not options.get("do_sample"):
         return {"temperature": 0.0}
@@ -250,9 +251,9 @@ def _check_task_files(folder: Path) -> None:
         try:
             parsed = yaml.load(path.read_text(encoding="utf-8"), Loader=Loader)  # noqa: S506 (a safe loader)
         except yaml.YAMLError as err:
-            raise ValueError(f"task file {path} does not parse: {' '.join(str(err).split())}") from None
+            raise UserError(f"task file {path} does not parse: {' '.join(str(err).split())}") from None
         if not isinstance(parsed, dict):
-            raise ValueError(f"task file {path} does not parse to a mapping of task keys")
+            raise UserError(f"task file {path} does not parse to a mapping of task keys")
 
 
 def task_manager(names: Sequence[str], include_path: str | Path | None = None) -> Any:
@@ -274,7 +275,7 @@ def task_manager(names: Sequence[str], include_path: str | Path | None = None) -
         if name not in manager.all_tasks:
             match = difflib.get_close_matches(name, manager.all_tasks, n=1, cutoff=0.6)
             hint = f" (did you mean {match[0]!r}?)" if match else ""
-            raise ValueError(f"unknown task {name!r}{hint}")
+            raise UserError(f"unknown task {name!r}{hint}")
     return manager
 
 
@@ -322,7 +323,7 @@ def run_tasks(lm: HarnessLM, names: Sequence[str], *, include_path: str | Path |
     from lm_eval.evaluator import simple_evaluate
 
     if limit is not None and limit < 1:
-        raise ValueError(f"limit must be at least one document per task, got {limit}")
+        raise UserError(f"limit must be at least one document per task, got {limit}")
     manager = manager if manager is not None else task_manager(names, include_path)
     with _harness_settings(quiet):
         return simple_evaluate(model=lm, tasks=list(names), num_fewshot=num_fewshot, limit=limit,

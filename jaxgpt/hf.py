@@ -17,7 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from jaxgpt.config import ModelConfig
+from jaxgpt.config import INIT_FROM, ModelConfig, keys_with
+from jaxgpt.errors import UserError
 from jaxgpt.rundir import RunDir, write_atomic
 
 Params = dict[str, Any]
@@ -49,7 +50,7 @@ def _read(hf_dir: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
 
 
 def _refuse(arch: str, option: str, value: Any, why: str) -> None:
-    raise ValueError(f"unsupported {arch} option {option} = {value!r}: {why}")
+    raise UserError(f"unsupported {arch} option {option} = {value!r}: {why}")
 
 
 def _get(tensors: dict[str, np.ndarray], name: str, *prefixes: str) -> np.ndarray:
@@ -57,7 +58,7 @@ def _get(tensors: dict[str, np.ndarray], name: str, *prefixes: str) -> np.ndarra
     for prefix in prefixes:
         if prefix + name in tensors:
             return tensors[prefix + name]
-    raise ValueError(f"missing weight {prefixes[0] + name} in the safetensors file")
+    raise UserError(f"missing weight {prefixes[0] + name} in the safetensors file")
 
 
 def _stack(arrays: list[np.ndarray]) -> np.ndarray:
@@ -201,7 +202,7 @@ _IMPORTERS = {"gpt2": (_gpt2_config, _gpt2_params), "llama": (_llama_config, _ll
 def _importer(hf_dir: Path, config: dict[str, Any]):
     model_type = config.get("model_type")
     if model_type not in _IMPORTERS:
-        raise ValueError(f"unsupported model_type {model_type!r} in {hf_dir}/config.json "
+        raise UserError(f"unsupported model_type {model_type!r} in {hf_dir}/config.json "
                          f"(supported: {', '.join(_IMPORTERS)})")
     return _IMPORTERS[model_type]
 
@@ -265,10 +266,6 @@ def resolve_source(source: str | Path) -> Path:
                                 f"Hugging Face hub ({type(err).__name__}: {err})") from None
 
 
-# Keys a fine-tune may set freely. The rest define the function the weights compute and must
-# equal the checkpoint's; context_length may shrink (a learned position table is cropped, as
-# nanoGPT's crop_block_size does) and mtp_depth adds fresh adapters.
-FREE_KEYS = ("dropout", "scan_layers", "remat", "dtype", "init_std", "mtp_depth", "context_length")
 
 
 def load_into(model: ModelConfig, hf_dir: str | Path, fresh: Params) -> Params:
@@ -281,14 +278,18 @@ def load_into(model: ModelConfig, hf_dir: str | Path, fresh: Params) -> Params:
     from jaxgpt.model import unstack_blocks
 
     imported_cfg, imported = import_hf(hf_dir)
+    # The keys a fine-tune may set freely (INIT_FROM). The rest define the function the weights
+    # compute and must equal the checkpoint's; context_length may shrink (a learned position
+    # table is cropped, as nanoGPT's crop_block_size does) and mtp_depth adds fresh adapters.
+    free = keys_with(INIT_FROM, "model")
     differ = [f"model.{f.name} = {getattr(model, f.name)!r} here, {getattr(imported_cfg, f.name)!r} in the checkpoint"
               for f in dataclasses.fields(ModelConfig)
-              if f.name not in FREE_KEYS and getattr(model, f.name) != getattr(imported_cfg, f.name)]
+              if f.name not in free and getattr(model, f.name) != getattr(imported_cfg, f.name)]
     if imported_cfg.position == "learned" and model.context_length > imported_cfg.context_length:
         differ.append(f"model.context_length = {model.context_length} here, more than the checkpoint's "
                       f"{imported_cfg.context_length} learned positions")
     if differ:
-        raise ValueError(f"--init-from {hf_dir}: the config does not match the checkpoint: " + "; ".join(differ))
+        raise UserError(f"--init-from {hf_dir}: the config does not match the checkpoint: " + "; ".join(differ))
     if model.position == "learned":
         table = imported["position_embedding"]["embedding"]
         imported["position_embedding"] = {"embedding": table[: model.context_length]}
@@ -297,9 +298,9 @@ def load_into(model: ModelConfig, hf_dir: str | Path, fresh: Params) -> Params:
     have, want = flatten_dict(imported, sep="/"), flatten_dict(jax.device_get(fresh), sep="/")
     for name, leaf in want.items():
         if name not in have and not name.startswith("mtp_"):
-            raise ValueError(f"--init-from {hf_dir}: the checkpoint has no weight for {name}")
+            raise UserError(f"--init-from {hf_dir}: the checkpoint has no weight for {name}")
         if name in have and have[name].shape != leaf.shape:
-            raise ValueError(f"--init-from {hf_dir}: {name} has shape {have[name].shape} in the "
+            raise UserError(f"--init-from {hf_dir}: {name} has shape {have[name].shape} in the "
                              f"checkpoint, {leaf.shape} here")
     return unflatten_dict({name: have.get(name, leaf) for name, leaf in want.items()}, sep="/")
 
@@ -312,7 +313,7 @@ def import_hf_run(hf_dir: str | Path, out_dir: str | Path) -> Path:
 
     hf_dir, run_dir, files = Path(hf_dir), Path(out_dir), RunDir(out_dir)
     if files.checkpoints.exists() or files.config.exists():
-        raise ValueError(f"{run_dir} already holds a run; choose another --out")
+        raise UserError(f"{run_dir} already holds a run; choose another --out")
     from jaxgpt.tokenizer import Tokenizer
 
     model, params = import_hf(hf_dir)

@@ -18,13 +18,14 @@ from typing import Any
 import numpy as np
 
 from jaxgpt.config import ModelConfig
+from jaxgpt.errors import UserError
 from jaxgpt.hf import WEIGHTS, Params, safetensors_numpy
 
 
 def _check_exportable(cfg: ModelConfig) -> str:
     """'gpt2' (learned positions) or 'llama' (RoPE); a ValueError naming an option neither holds."""
     def refuse(option: str, why: str) -> None:
-        raise ValueError(f"cannot export to Hugging Face: model.{option} = {getattr(cfg, option)!r} {why}")
+        raise UserError(f"cannot export to Hugging Face: model.{option} = {getattr(cfg, option)!r} {why}")
 
     if cfg.residual != "pre":
         refuse("residual", "(Hugging Face GPT-2 and Llama are pre-norm)")
@@ -152,9 +153,9 @@ def check_export_dir(out_dir: str | Path, force: bool = False) -> Path:
     """`out_dir` if an export may write there: absent, empty, or (with `force`) any folder."""
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {out} is a file, not a folder")
+        raise UserError(f"--out {out} is a file, not a folder")
     if out.is_dir() and any(out.iterdir()) and not force:
-        raise ValueError(f"--out {out} exists and is not empty; choose another folder or pass --force "
+        raise UserError(f"--out {out} exists and is not empty; choose another folder or pass --force "
                          "to overwrite its Hugging Face files")
     return out
 
@@ -201,7 +202,7 @@ def export_hf(cfg: ModelConfig, params: Params, out_dir: str | Path, *, tokenize
     out = check_export_dir(out_dir, force)
     kind = _check_exportable(cfg)
     if "blocks" not in params:
-        raise ValueError("export_hf expects the scanned parameter layout (a `blocks` entry)")
+        raise UserError("export_hf expects the scanned parameter layout (a `blocks` entry)")
     config, tensors = (_export_gpt2 if kind == "gpt2" else _export_llama)(cfg, params)
     end_of_text = _end_of_text(tokenizer)
     # Left unset, transformers' defaults (GPT-2: 50256; Llama: 1 and 2) would name ordinary tokens

@@ -27,6 +27,7 @@ from collections.abc import Mapping, Sequence
 from typing import IO
 
 from jaxgpt import signals
+from jaxgpt.errors import UserError
 
 MULTI_PROCESS_COMMANDS = ("train",)
 KEPT_LINES = 20  # of a process other than 0, shown when it fails
@@ -92,9 +93,9 @@ def launch(command: Sequence[str], n: int, devices_per_process: int | None = Non
            all_output: bool = False, environ: Mapping[str, str] | None = None) -> int:
     """Run `python -m jaxgpt COMMAND` as `n` processes of one job; the worst exit code."""
     if n < 1:
-        raise ValueError(f"-n {n}: the number of processes must be at least 1")
+        raise UserError(f"-n {n}: the number of processes must be at least 1")
     if not command or command[0] not in MULTI_PROCESS_COMMANDS:
-        raise ValueError(f"jaxgpt launch runs {', '.join(MULTI_PROCESS_COMMANDS)} (e.g. jaxgpt launch -n 2 -- "
+        raise UserError(f"jaxgpt launch runs {', '.join(MULTI_PROCESS_COMMANDS)} (e.g. jaxgpt launch -n 2 -- "
                          "train --out runs/a); eval, generate and sweep run in one process")
     port = free_port()
     environ = os.environ if environ is None else environ

@@ -15,6 +15,7 @@ from types import TracebackType
 from typing import Any, Callable
 
 from jaxgpt.config import ModelConfig
+from jaxgpt.errors import UserError
 from jaxgpt.events import EventWriter
 from jaxgpt.rundir import RunDir, atomic_file, write_atomic
 
@@ -33,11 +34,11 @@ def _validate(record: dict[str, Any]) -> None:
         raise TypeError(f"a metrics record must be a dict, got {type(record).__name__}")
     for key in ("type", "step"):
         if key not in record:
-            raise ValueError(f"metrics record has no {key!r}: {record!r}")
+            raise UserError(f"metrics record has no {key!r}: {record!r}")
     if record["type"] not in RECORD_TYPES:
-        raise ValueError(f"metrics record type {record['type']!r} is not one of {', '.join(RECORD_TYPES)}")
+        raise UserError(f"metrics record type {record['type']!r} is not one of {', '.join(RECORD_TYPES)}")
     if isinstance(record["step"], bool) or not isinstance(record["step"], int):
-        raise ValueError(f"metrics record step must be an int, got {record['step']!r}")
+        raise UserError(f"metrics record step must be an int, got {record['step']!r}")
 
 
 def _drop_partial_last_line(path: Path) -> None:
@@ -112,7 +113,7 @@ def read_metrics(path: Path | str) -> list[dict[str, Any]]:
         except json.JSONDecodeError as err:
             if number == len(lines):
                 break
-            raise ValueError(f"{path}:{number}: not a JSON record: {err}") from None
+            raise UserError(f"{path}:{number}: not a JSON record: {err}") from None
     return records
 
 

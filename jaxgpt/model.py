@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgpt.config import ModelConfig
+from jaxgpt.errors import UserError
 from jaxgpt.kernels import PORTABLE, Kernels
 from jaxgpt.layers import (FeedForward, TransformerBlock, activation_dtype, compute_dtype, dense_init, make_norm,
                            rope_tables, sinusoidal_positions, write_kv)
@@ -207,12 +208,12 @@ def head_weight(params: Params, cfg: ModelConfig) -> jax.Array:
 def _apply(params, cfg, token_ids, *, all_depths, train, rng, kernels, head=True):
     token_ids = check_token_ids(token_ids, cfg.vocab_size)
     if cfg.position == "learned" and token_ids.shape[1] > cfg.context_length:
-        raise ValueError(
+        raise UserError(
             f"sequence exceeds context_length: {token_ids.shape[1]} > {cfg.context_length}"
         )
     dropout_active = train and cfg.dropout > 0
     if dropout_active and rng is None:
-        raise ValueError("forward(train=True) with model.dropout > 0 needs an `rng` for dropout")
+        raise UserError("forward(train=True) with model.dropout > 0 needs an `rng` for dropout")
     rngs = {"dropout": rng} if dropout_active else {}
     out, _ = Decoder(cfg, kernels, deterministic=not dropout_active, train=train).apply(
         {"params": params}, token_ids, all_depths=all_depths, stop_before_head=not head, rngs=rngs
@@ -223,9 +224,9 @@ def _apply(params, cfg, token_ids, *, all_depths, train, rng, kernels, head=True
 def init_cache(cfg: ModelConfig, batch_size: int, max_length: int) -> Cache:
     """An empty KV cache for `batch_size` sequences of up to `max_length` tokens each."""
     if batch_size < 1 or max_length < 1:
-        raise ValueError(f"cache needs batch_size >= 1 and max_length >= 1, got {batch_size}, {max_length}")
+        raise UserError(f"cache needs batch_size >= 1 and max_length >= 1, got {batch_size}, {max_length}")
     if cfg.position == "learned" and max_length > cfg.context_length:
-        raise ValueError(
+        raise UserError(
             f"cache max_length {max_length} exceeds context_length {cfg.context_length} "
             "(learned positions stop there)"
         )
@@ -249,13 +250,13 @@ def forward_cached(
     B, T = token_ids.shape
     L, cache_B, S = cache["k"].shape[:3]
     if cache_B != B:
-        raise ValueError(f"token IDs have batch {B} but the cache was made for batch {cache_B}")
+        raise UserError(f"token IDs have batch {B} but the cache was made for batch {cache_B}")
     if _is_concrete(cache["index"]):
         end = int(np.asarray(cache["index"]).max()) + T
         if end > S:
-            raise ValueError(f"KV cache overflow: {end} positions needed, the cache holds {S}")
+            raise UserError(f"KV cache overflow: {end} positions needed, the cache holds {S}")
     if fresh and _is_concrete(cache["index"]) and np.asarray(cache["index"]).any():
-        raise ValueError("forward_cached(fresh=True) needs an empty cache (every index 0)")
+        raise UserError("forward_cached(fresh=True) needs an empty cache (every index 0)")
     logits, cache = Decoder(cfg, kernels).apply({"params": params}, token_ids, cache=cache,
                                                 all_depths=all_depths, fresh=fresh)
     return logits, cache

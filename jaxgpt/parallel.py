@@ -33,13 +33,14 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxgpt.config import RunConfig, TrainConfig
+from jaxgpt.config import PARALLEL_MODES, RunConfig, TrainConfig
+from jaxgpt.errors import UserError
 from jaxgpt.kernels import Kernels, choose_kernels
 from jaxgpt.step import TrainState, eval_step, init_state, train_step, window_length
 
 MESH_AXES = ("data", "fsdp")
 PMAP_AXIS = "batch"
-MODES = ("single", "sharded", "pmap")
+MODES = tuple(mode for mode in PARALLEL_MODES if mode != "auto")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -50,7 +51,7 @@ def check_batch(train: TrainConfig, data: int, fsdp: int) -> None:
     """Each micro-batch (batch_size // grad_accum rows) must split evenly over all devices."""
     micro = train.batch_size // train.grad_accum
     if micro % (data * fsdp):
-        raise ValueError(
+        raise UserError(
             f"train.batch_size = {train.batch_size} with train.grad_accum = {train.grad_accum} gives "
             f"micro-batches of {micro} rows, which do not divide over data {data} x fsdp {fsdp} = "
             f"{data * fsdp} devices"
@@ -68,9 +69,9 @@ def make_mesh(train: TrainConfig, devices: Sequence[jax.Device] | None = None) -
     devices = list(devices)
     n, fsdp = len(devices), train.fsdp
     if fsdp > n:
-        raise ValueError(f"train.fsdp = {fsdp} exceeds the {n} available devices")
+        raise UserError(f"train.fsdp = {fsdp} exceeds the {n} available devices")
     if n % fsdp:
-        raise ValueError(f"train.fsdp = {fsdp} does not divide the {n} available devices")
+        raise UserError(f"train.fsdp = {fsdp} does not divide the {n} available devices")
     data = n // fsdp
     check_batch(train, data, fsdp)
     return Mesh(np.array(devices, dtype=object).reshape(data, fsdp), MESH_AXES)
@@ -82,9 +83,9 @@ def resolve_mode(train: TrainConfig, n_devices: int) -> str:
     if mode == "auto":
         mode = "sharded" if n_devices > 1 else "single"
     if mode not in MODES:
-        raise ValueError(f"train.parallel = {train.parallel!r} is not one of auto, {', '.join(MODES)}")
+        raise UserError(f"train.parallel = {train.parallel!r} is not one of auto, {', '.join(MODES)}")
     if train.fsdp > 1 and mode != "sharded":
-        raise ValueError(
+        raise UserError(
             f"train.fsdp = {train.fsdp} needs train.parallel = 'sharded' (or 'auto' on more than "
             f"one device); it resolved to {mode!r} on {n_devices} device(s)"
         )
@@ -123,7 +124,7 @@ def leaf_spec(shape: Sequence[int], fsdp: int) -> P:
 def state_shardings(mesh: Mesh, abstract_state: Any, fsdp: int) -> Any:
     """NamedShardings for every leaf of a (possibly abstract) train state, same tree structure."""
     if mesh.shape["fsdp"] != fsdp:
-        raise ValueError(f"fsdp = {fsdp} but the mesh has an fsdp axis of {mesh.shape['fsdp']}")
+        raise UserError(f"fsdp = {fsdp} but the mesh has an fsdp axis of {mesh.shape['fsdp']}")
     return jax.tree_util.tree_map(
         lambda leaf: NamedSharding(mesh, leaf_spec(np.shape(leaf), fsdp)), abstract_state
     )
@@ -209,9 +210,9 @@ def pmap_train_step(cfg: RunConfig, axis_name: str = PMAP_AXIS) -> Callable:
         shape = tuple(np.shape(batch_NbW))
         n = jax.local_device_count()
         if len(shape) != 3 or shape[0] != n or shape[2] != W:
-            raise ValueError(f"pmap batch must be [{n} devices, rows, {W}] (see shard_for_pmap), got {shape}")
+            raise UserError(f"pmap batch must be [{n} devices, rows, {W}] (see shard_for_pmap), got {shape}")
         if shape[1] % train.grad_accum:
-            raise ValueError(
+            raise UserError(
                 f"each device's {shape[1]} rows do not divide into train.grad_accum = "
                 f"{train.grad_accum} micro-batches"
             )
@@ -226,7 +227,7 @@ def shard_for_pmap(batch_BW: Any, n_devices: int | None = None) -> Any:
     n = jax.local_device_count() if n_devices is None else n_devices
     B = np.shape(batch_BW)[0]
     if B % n:
-        raise ValueError(f"batch of {B} rows does not divide over {n} devices")
+        raise UserError(f"batch of {B} rows does not divide over {n} devices")
     return batch_BW.reshape(n, B // n, *np.shape(batch_BW)[1:])
 
 

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgpt.config import ModelConfig
+from jaxgpt.errors import UserError
 from jaxgpt.kernels import choose_kernels
 from jaxgpt.model import Params, forward, forward_cached, init_cache
 
@@ -173,9 +174,9 @@ def score_pairs(params: Params, cfg: ModelConfig, pairs: Sequence[Pair], *, batc
     S = cfg.context_length
     for context, continuation in pairs:
         if not context:
-            raise ValueError("a context holds at least one token (the harness gives an empty one the end-of-text token)")
+            raise UserError("a context holds at least one token (the harness gives an empty one the end-of-text token)")
         if len(continuation) > S:
-            raise ValueError(f"a continuation of {len(continuation)} tokens is longer than model.context_length "
+            raise UserError(f"a continuation of {len(continuation)} tokens is longer than model.context_length "
                              f"= {S}: it cannot be scored in one window")
     longest = max(continuation_widths(S), default=0)
     by_context: dict[tuple[int, ...], list[int]] = {}  # the pairs that fit without a cut, by context

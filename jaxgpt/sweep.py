@@ -21,8 +21,8 @@ Optionally, another codebase's figures for the same grid, reported beside ours
 `reference = { bpb = 2.9339, spread = 0.0434 }` (its mean bits per byte and seed spread).
 
 A member is one (variant, seed) run. Members whose resolved configs differ only in the keys of
-`VMAPPED_KEYS` (train.seed and the optimiser values lr, min_lr, warmup_steps, weight_decay, beta1,
-beta2, muon_lr) form a group and train together in one compiled program: `jax.vmap` over a leading member
+`VMAPPED_KEYS` (the config's SWEEP keys: train.seed and the optimiser values lr, min_lr,
+warmup_steps, weight_decay, beta1, beta2, muon_lr) form a group and train together in one compiled program: `jax.vmap` over a leading member
 axis of the train state, the batch, the optimiser hyperparameters (`jaxgpt.optim.OptHParams`,
 traced) and the seed. Each member's init key, batches, dropout keys and updates are those
 `jaxgpt.train.train` would use for that member's config, through the same `train_step`, so a
@@ -55,8 +55,9 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from jaxgpt.config import ConfigError, RunConfig, TrainConfig, load_config, read_toml
+from jaxgpt.config import SWEEP, ConfigError, RunConfig, TrainConfig, keys_with, load_config, read_toml
 from jaxgpt.data import RunData, eval_summary, prepare_data, train_batch, val_batch
+from jaxgpt.errors import UserError
 from jaxgpt.kernels import choose_kernels
 from jaxgpt.model import count_params
 from jaxgpt.optim import OptHParams
@@ -67,7 +68,7 @@ from jaxgpt.sweep_report import write_report
 SWEEP_KEYS = ("base", "seeds", "set", "reference", "variant")
 VARIANT_KEYS = ("name", "set", "reference")
 REFERENCE_KEYS, VARIANT_REFERENCE_KEYS = ("name", "seeds"), ("bpb", "spread")
-VMAPPED_KEYS = ("train.seed", *(f"train.{name}" for name in OptHParams._fields))
+VMAPPED_KEYS = keys_with(SWEEP)  # train.seed and the optimiser's values (OptHParams)
 BASELINE = "baseline"
 
 
@@ -261,7 +262,7 @@ def train_group(runs: list[Member], data: RunData, *, progress: bool = True, des
     traces = Counter() if traces is None else traces
     cfg = shared_config(runs[0].config)
     if any(shared_config(m.config) != cfg for m in runs):
-        raise ValueError("members of a group may differ only in " + ", ".join(VMAPPED_KEYS))
+        raise UserError("members of a group may differ only in " + ", ".join(VMAPPED_KEYS))
     started = time.perf_counter()
     seeds = [m.seed for m in runs]
     hparams = stack_hparams([m.config.train for m in runs])

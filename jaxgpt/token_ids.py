@@ -13,6 +13,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jaxgpt.errors import UserError
 
 
 def check_token_ids(token_ids: Any, vocab_size: int) -> jax.Array:
@@ -21,14 +22,14 @@ def check_token_ids(token_ids: Any, vocab_size: int) -> jax.Array:
         try:
             token_ids = np.asarray(token_ids)
         except ValueError:
-            raise ValueError("token IDs must have shape [batch, sequence]; got rows of different lengths") from None
+            raise UserError("token IDs must have shape [batch, sequence]; got rows of different lengths") from None
     if token_ids.ndim != 2:
-        raise ValueError(f"token IDs must have shape [batch, sequence], got shape {tuple(token_ids.shape)}")
+        raise UserError(f"token IDs must have shape [batch, sequence], got shape {tuple(token_ids.shape)}")
     if not jnp.issubdtype(token_ids.dtype, jnp.integer):
-        raise ValueError(f"token IDs must be integers, got dtype {token_ids.dtype}")
+        raise UserError(f"token IDs must be integers, got dtype {token_ids.dtype}")
     if not isinstance(token_ids, jax.core.Tracer) and token_ids.size:
         values = np.asarray(token_ids)
         low, high = int(values.min()), int(values.max())
         if low < 0 or high >= vocab_size:
-            raise ValueError(f"token IDs must lie in [0, {vocab_size}) (model.vocab_size); got [{low}, {high}]")
+            raise UserError(f"token IDs must lie in [0, {vocab_size}) (model.vocab_size); got [{low}, {high}]")
     return jnp.asarray(token_ids, jnp.int32)

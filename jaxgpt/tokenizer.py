@@ -16,6 +16,7 @@ import numpy as np
 from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFTokenizer
 
+from jaxgpt.errors import UserError
 from jaxgpt.rundir import write_atomic
 
 BPE, CHAR, FILE = "bpe", "char", "file"
@@ -108,7 +109,7 @@ class Tokenizer:
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         if ids.size and (ids.min() < 0 or ids.max() >= self.vocab_size):
             bad = ids[(ids < 0) | (ids >= self.vocab_size)][0]
-            raise ValueError(f"token id {bad} is outside the vocabulary of {self.vocab_size} tokens")
+            raise UserError(f"token id {bad} is outside the vocabulary of {self.vocab_size} tokens")
         return self._hf.decode(ids.tolist(), skip_special_tokens=False)
 
     def save(self, path: str | Path) -> Path:
@@ -133,7 +134,7 @@ class Tokenizer:
         try:
             hf = HFTokenizer.from_file(str(path))
         except Exception as err:
-            raise ValueError(f"{path} is not a valid tokenizer.json: {err}") from None
+            raise UserError(f"{path} is not a valid tokenizer.json: {err}") from None
         return cls(hf, kind)
 
     def _pieces(self, text: str) -> list[str]:
@@ -207,7 +208,7 @@ def _byte_level_bpe(vocab_path: Path, merges_path: Path) -> HFTokenizer:
     try:
         hf = HFTokenizer(models.BPE.from_file(str(vocab_path), str(merges_path)))
     except Exception as err:
-        raise ValueError(f"{vocab_path.parent}: cannot read {VOCAB_FILE} + {MERGES_FILE}: {err}") from None
+        raise UserError(f"{vocab_path.parent}: cannot read {VOCAB_FILE} + {MERGES_FILE}: {err}") from None
     hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     hf.decoder = decoders.ByteLevel()
     if hf.token_to_id(_GPT2_SPECIAL) is not None:
@@ -241,7 +242,7 @@ def _char_pre_tokenizer_config() -> dict:
 def train_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     """Byte-level BPE learned from `texts` (read once, as a stream), with `EOT` as its last id."""
     if vocab_size <= BYTE_ALPHABET + 1:
-        raise ValueError(
+        raise UserError(
             f"model.vocab_size = {vocab_size} is too small for byte-level BPE: it needs more than "
             f"{BYTE_ALPHABET + 1} (the byte alphabet and the end-of-text token) to learn any merge"
         )
@@ -263,7 +264,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     )
     hf.train_from_iterator(counted(), trainer)
     if not seen[0]:
-        raise ValueError("cannot train a BPE tokenizer on an empty corpus")
+        raise UserError("cannot train a BPE tokenizer on an empty corpus")
     hf.add_special_tokens([EOT])
     return Tokenizer(hf, BPE)
 
@@ -275,9 +276,9 @@ def build_char(texts: Iterable[str], vocab_size: int) -> Tokenizer:
         seen.update(text)
     chars = sorted(seen)
     if not chars:
-        raise ValueError("cannot build a char tokenizer from an empty corpus")
+        raise UserError("cannot build a char tokenizer from an empty corpus")
     if len(chars) + 1 > vocab_size:
-        raise ValueError(
+        raise UserError(
             f"the corpus has {len(chars)} distinct characters (and the end-of-text token) but "
             f"model.vocab_size is {vocab_size}"
         )
@@ -296,7 +297,7 @@ def build_tokenizer(spec: str, texts: Iterable[str], vocab_size: int) -> Tokeniz
         return build_char(texts, vocab_size)
     tokenizer = Tokenizer.load(spec)
     if tokenizer.vocab_size > vocab_size:
-        raise ValueError(
+        raise UserError(
             f"{spec} has {tokenizer.vocab_size} tokens but model.vocab_size is {vocab_size}"
         )
     return tokenizer

@@ -20,9 +20,10 @@ import jax
 from tqdm.auto import tqdm
 
 from jaxgpt import distributed, signals
-from jaxgpt.checkpoint import Checkpointer, finished_at, load_run_config
-from jaxgpt.config import RunConfig
+from jaxgpt.checkpoint import Checkpointer, StateMismatch, finished_at, load_run_config
+from jaxgpt.config import FORCE, RESUME, RunConfig, keys_with
 from jaxgpt.data import RunData, evaluate, prepare_data, train_batch
+from jaxgpt.errors import UserError
 from jaxgpt.generate import generate
 from jaxgpt.metrics import MetricsWriter, Throughput, plot_losses, truncate_metrics
 from jaxgpt.model import count_params, init_params
@@ -33,55 +34,40 @@ from jaxgpt.step import TrainState
 if TYPE_CHECKING:  # imported when a run asks for tasks: the harness is an extra
     from jaxgpt.harness import TrainingTasks
 
-# Keys a resumed run may change freely: how long it runs, how often and on what it reports, and how
-# it is laid out on devices and in memory (the numbers do not depend on it beyond float rounding).
-RUN_LENGTH_KEYS = ("model.remat", "train.steps", "train.eval_every", "train.eval_batches", "train.checkpoint_every",
-                   "train.log_every", "train.keep_checkpoints", "train.sample_tokens", "train.parallel",
-                   "train.fsdp", "train.eval_tasks", "train.eval_tasks_every", "train.eval_tasks_path",
-                   "train.eval_tasks_limit")
-
-
-class TrainingDiverged(ValueError):
+class TrainingDiverged(UserError):
     """The loss became NaN or infinite."""
 
 
 def manifest(cfg: RunConfig, data: RunData) -> dict[str, Any]:
-    return {"config_sha256": cfg.fingerprint(exclude=RUN_LENGTH_KEYS), "config": cfg.to_dict(),
+    return {"config_sha256": cfg.fingerprint(exclude=keys_with(RESUME)), "config": cfg.to_dict(),
             "tokenizer_sha256": data.tokenizer.fingerprint, "data_sha256": data.tokens.fingerprint}
 
 
-FORCEABLE_SECTIONS = ("train", "data")  # what --force may change on resume; the model never
-# ... except these: another tokenizer's IDs mean other tokens, another optimiser's state another tree
-UNFORCEABLE_KEYS = ("data.tokenizer", "train.optimizer")
+def changed_keys(old: dict[str, dict[str, Any]], new: dict[str, dict[str, Any]],
+                 ignore: tuple[str, ...] = ()) -> list[str]:
+    """"section.key was X, now Y" for each key whose value differs, but those in `ignore`."""
+    return [f"{section}.{key} was {old.get(section, {}).get(key)!r}, now {value!r}"
+            for section in new for key, value in new[section].items()
+            if old.get(section, {}).get(key) != value and f"{section}.{key}" not in ignore]
 
 
 def check_config_change(saved: RunConfig, new: RunConfig, run_dir: Path, force: bool) -> None:
-    """Refuse to resume under a different config, naming each key that differs."""
-    old_values, new_values = saved.to_dict(), new.to_dict()
-    changed = [f"{section}.{key}" for section in new_values for key in new_values[section]
-               if old_values[section][key] != new_values[section][key]
-               and f"{section}.{key}" not in RUN_LENGTH_KEYS]
-    if force:
-        changed = [name for name in changed if name.split(".")[0] not in FORCEABLE_SECTIONS
-                   or name in UNFORCEABLE_KEYS]
+    """Refuse to resume under a different config, naming each key that differs: every key but the
+    RESUME ones (with --force, but the FORCE ones too)."""
+    free = keys_with(RESUME) + (keys_with(FORCE) if force else ())
+    changed = changed_keys(saved.to_dict(), new.to_dict(), ignore=free)
     if changed:
-        detail = "; ".join(f"{name} was {_lookup(old_values, name)!r}, now {_lookup(new_values, name)!r}"
-                           for name in changed)
-        hint = "" if force or any(n.startswith("model.") or n in UNFORCEABLE_KEYS for n in changed) else \
-            " (--force accepts changes to [train] and [data] keys)"
-        raise ValueError(f"cannot resume {run_dir}: {detail}{hint}")
-
-
-def _lookup(values: dict[str, dict[str, Any]], dotted: str) -> Any:
-    section, key = dotted.split(".", 1)
-    return values[section][key]
+        forceable = set(keys_with(FORCE))
+        hint = "" if force or any(line.split(" ", 1)[0] not in forceable for line in changed) else \
+            " (--force accepts changes to [train] and [data] keys but the tokenizer and the optimiser)"
+        raise UserError(f"cannot resume {run_dir}: {'; '.join(changed)}{hint}")
 
 
 def check_fingerprints(expected: dict[str, Any], found: dict[str, Any], run_dir: Path, force: bool) -> None:
     if found.get("tokenizer_sha256") != expected["tokenizer_sha256"]:
-        raise ValueError(f"cannot resume {run_dir}: its tokenizer.json differs from the checkpoint's tokenizer")
+        raise UserError(f"cannot resume {run_dir}: its tokenizer.json differs from the checkpoint's tokenizer")
     if found.get("data_sha256") != expected["data_sha256"] and not force:
-        raise ValueError(f"cannot resume {run_dir}: the corpus differs from the one the checkpoint was "
+        raise UserError(f"cannot resume {run_dir}: the corpus differs from the one the checkpoint was "
                          "trained on (--force continues on the new corpus)")
 
 
@@ -105,10 +91,19 @@ def _resume(checkpointer: Checkpointer, runtime: Runtime, state: TrainState, exp
     if not checkpointer.steps():
         print(f"no checkpoint in {run_dir}; starting fresh", file=sys.stderr)
         return state
-    found = checkpointer.restore_newest_good(runtime.restore_target(), warn=lambda m: print(m, file=sys.stderr))
+    try:
+        found = checkpointer.restore_newest_good(runtime.restore_target(), warn=lambda m: print(m, file=sys.stderr),
+                                                 fresh=runtime.to_saved(state))
+    except StateMismatch as err:
+        differ = changed_keys(err.saved_config, expected["config"], ignore=keys_with(RESUME)) if err.saved_config else []
+        named = f" (saved with {'; '.join(differ)})" if differ else ""
+        raise UserError(f"cannot resume {run_dir}: {err}{named}; every checkpoint is left where it is") from None
     if found is None:
-        raise ValueError(f"cannot resume {run_dir}: no checkpoint in it is intact (see the messages above)")
-    state, saved = found
+        raise UserError(f"cannot resume {run_dir}: no checkpoint in it is intact (see the messages above)")
+    state, saved, carried = found
+    if carried is not None:
+        print(f"note: checkpoint {int(state.step)}'s optimiser state is laid out otherwise: {carried.summary()}",
+              file=sys.stderr)
     check_fingerprints(expected, saved, run_dir, force)
     print(f"resuming {run_dir} from step {int(state.step)}", file=sys.stderr)
     return runtime.from_saved(state)
@@ -145,7 +140,7 @@ def _train(cfg: RunConfig, out_dir: str | Path, *, resume: bool, force: bool, pr
             print(f"{run_dir} finished at step {done}; raise train.steps to continue", file=sys.stderr)
             return {"type": "summary", "step": done, "event": "finished earlier"}
     elif not resume and has_checkpoints:
-        raise ValueError(f"{run_dir} already holds a run; continue it with `jaxgpt train --out {run_dir} --resume` "
+        raise UserError(f"{run_dir} already holds a run; continue it with `jaxgpt train --out {run_dir} --resume` "
                          "(and the same --config/--set/--data), or choose another --out")
     data = distributed.writer_first(lambda: prepare_data(cfg, run_dir), "prepare-data")  # builds caches once
     if data.tokenizer.kind == "char" and data.tokenizer.vocab_size < cfg.model.vocab_size:

@@ -103,8 +103,8 @@ def gib(value: int | None) -> str:
 def cell(record: dict | None) -> str:
     if record is None:
         return "not run"
-    if "error" in record:
-        return "error"
+    if "error" in record or "failure" in record:
+        return f"failed: {record.get('error') or record['failure']}"
     if record.get("largest_batch") is None:
         state = record["params_bytes_per_device"] + record["opt_state_bytes_per_device"]
         return f"none fits (state {gib(state)} GiB)"

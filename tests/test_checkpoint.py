@@ -55,7 +55,7 @@ def full_state(run_dir: Path):
     checkpointer = Checkpointer(run_dir, keep=100)
     try:
         like = jax.eval_shape(lambda: init_state(cfg, jax.random.key(0)))
-        state, _ = checkpointer.restore(like, checkpointer.latest_step())
+        state, _, _ = checkpointer.restore(like, checkpointer.latest_step())
     finally:
         checkpointer.close()
     return jax.device_get(state)
@@ -390,13 +390,13 @@ def test_a_reader_lists_again_when_the_trainer_removed_every_checkpoint_it_liste
     unsaved = (checkpoints / str(steps[-1])).rename(tmp_path / "newest")  # not there yet when the reader lists
     real, removed = Checkpointer.restore, []
 
-    def rotated_away(self, like, step):
+    def rotated_away(self, like, step, *rest):
         if len(removed) < len(steps) - 1:
             shutil.rmtree(self.directory / str(step))
             removed.append(step)
             if len(removed) == len(steps) - 1:
                 unsaved.rename(self.directory / str(steps[-1]))
-        return real(self, like, step)
+        return real(self, like, step, *rest)
 
     monkeypatch.setattr(Checkpointer, "restore", rotated_away)
     _, params = load_run(run)

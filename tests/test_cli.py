@@ -48,3 +48,42 @@ def test_generate_help_shows_every_default(capsys, monkeypatch):
         block = options.split(flag, 1)[1].split("\n  -", 1)[0]  # this option's help, to the next option
         assert "(default:" in " ".join(block.split()), f"{flag} shows no default: {block!r}"
     assert "(default: 0.8)" in text and "(default: 200)" in text
+
+
+def _failing(monkeypatch, error):
+    import jaxgpt.cli as cli
+
+    def command(args):
+        raise error
+
+    monkeypatch.setattr(cli, "cmd_dry_run", command)
+
+
+def test_a_bug_keeps_its_traceback_and_is_never_one_line(monkeypatch, capsys):
+    """A ValueError jaxgpt did not raise for the user is a bug: it leaves main as itself."""
+    _failing(monkeypatch, ValueError("an index out of step"))
+    with pytest.raises(ValueError, match="an index out of step"):
+        main(["dry-run"])
+    assert "error:" not in capsys.readouterr().err
+
+
+def test_a_user_error_is_one_line_and_exit_2_and_a_failure_exit_1(monkeypatch, capsys):
+    from jaxgpt.errors import Failure, UserError
+
+    _failing(monkeypatch, UserError("model.d_model = 130 is not divisible\nsecond line"))
+    assert main(["dry-run"]) == 2
+    assert capsys.readouterr().err == "jaxgpt dry-run: error: model.d_model = 130 is not divisible\n"
+    _failing(monkeypatch, Failure("encoding worker 1 was killed (SIGKILL); run the command again to continue"))
+    assert main(["dry-run"]) == 1
+    assert capsys.readouterr().err.startswith("jaxgpt dry-run: error: encoding worker 1 was killed")
+
+
+def test_jaxgpt_debug_shows_a_user_errors_traceback(monkeypatch, capsys):
+    from jaxgpt.errors import UserError
+
+    _failing(monkeypatch, UserError("a refused change"))
+    monkeypatch.setenv("JAXGPT_DEBUG", "1")
+    assert main(["dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("Traceback (most recent call last):") and "UserError: a refused change" in err
+    assert err.splitlines()[-1] == "jaxgpt dry-run: error: a refused change"

@@ -60,6 +60,40 @@ def test_remat_names_a_policy_and_takes_true_and_false_as_before(tmp_path):
     assert load_config(None, ["model.remat=dots"]).fingerprint() == RunConfig().fingerprint()
 
 
+def test_every_key_declares_its_roles_once_and_the_rules_read_them():
+    from dataclasses import fields
+
+    from jaxgpt.config import (FORCE, IDENTITY, INIT_FROM, RESUME, ROLES, SECTIONS, SWEEP, all_keys, keys_with,
+                               roles_of)
+    from jaxgpt.optim import OptHParams
+    from jaxgpt.sweep import VMAPPED_KEYS
+
+    for section, cls in SECTIONS.items():
+        for f in fields(cls):
+            assert "roles" in f.metadata, f"{section}.{f.name} declares no roles"
+            assert f.metadata["roles"] <= set(ROLES)
+    assert len(all_keys()) == sum(len(fields(cls)) for cls in SECTIONS.values())
+    # The model is never --force's; the tokenizer and the optimiser neither.
+    assert not [k for k in keys_with(FORCE) if k.startswith("model.")]
+    assert "data.tokenizer" not in keys_with(FORCE) and "train.optimizer" not in keys_with(FORCE)
+    # A sweep group varies the seed and exactly the optimiser values its vmapped step takes.
+    assert set(VMAPPED_KEYS) == set(keys_with(SWEEP)) == {"train.seed", *(f"train.{n}" for n in OptHParams._fields)}
+    assert {"model.kernels", "model.remat"} <= set(keys_with(RESUME)) & set(keys_with(INIT_FROM, None))
+    # The fingerprint changes with every IDENTITY key and with no other.
+    base = RunConfig()
+    for dotted in all_keys():
+        section, name = dotted.split(".", 1)
+        value = getattr(getattr(base, section), name)
+        other = {bool: lambda v: not v, int: lambda v: 2 * v if v else 1, float: lambda v: v / 2 if v else 0.25}.get(
+            type(value), lambda v: {"kernels": "xla", "remat": "dots", "parallel": "pmap", "optimizer": "muon",
+                                    "position": "rope", "norm": "rmsnorm", "residual": "post",
+                                    "feed_forward": "swiglu", "dtype": "bfloat16"}.get(name, "other"))(value)
+        if name in ("kv_heads", "hidden_size", "eval_tasks_every", "ffn_match_params", "eval_tasks"):
+            continue  # derived or validated against others: covered by their neighbours
+        changed = load_config(None, [f"{dotted}={json.dumps(other)}"])
+        assert (changed.fingerprint() != base.fingerprint()) == (IDENTITY in roles_of(dotted)), dotted
+
+
 def test_ffn_match_params_gives_swiglu_the_gelu_layers_parameters(tmp_path):
     swiglu = load_config(None, ["model.d_model=256", "model.feed_forward=swiglu", "model.ffn_match_params=true"])
     assert swiglu.model.hidden_size == 680  # 2/3 x 1,024 = 682.7, the nearest multiple of 8

@@ -5,6 +5,7 @@ import gzip
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -197,8 +198,10 @@ def test_a_changed_source_file_is_named_and_prepared_again(corpus, tmp_path, cap
     assert not first.tokens.folder.exists()  # the stale store is gone
 
 
-def test_a_source_that_changes_during_preparation_is_one_error_and_leaves_nothing(corpus, tmp_path,
-                                                                                 monkeypatch) -> None:
+def test_a_source_that_changes_during_preparation_is_one_error_and_leaves_no_store(corpus, tmp_path,
+                                                                                  monkeypatch) -> None:
+    """Bad input removes the shard being written (and the folder where no finished shard is left),
+    never a finished shard; the store is not complete, so nothing reads it."""
     copy = tmp_path / "copy"
     write_jsonl_corpus(copy)
     real = sources.Files.documents
@@ -213,7 +216,9 @@ def test_a_source_that_changes_during_preparation_is_one_error_and_leaves_nothin
     monkeypatch.setattr(sources.Files, "documents", changing)
     with pytest.raises(ValueError, match=r"changed while it was being prepared: part3\.jsonl \(size"):
         prepare_data(config(copy), cache_dir=tmp_path / "cache")
-    assert not list((tmp_path / "cache" / "stores").iterdir())
+    for folder in (tmp_path / "cache" / "stores").iterdir():
+        assert not (folder / "index.json").exists() and not list(folder.glob("*.partial"))
+        assert list(folder.glob("train_*.bin"))  # the finished shards stay
 
 
 def write_bad(kind: str, folder: Path, prepared) -> str:
@@ -267,7 +272,11 @@ def prepare_command(source: Path, cache: Path, *extra: str) -> list[str]:
             "model.vocab_size=300", "--set", "data.shard_tokens=20000", *extra]
 
 
-def test_a_preparation_killed_mid_way_continues_to_the_same_bytes(prepared, tmp_path) -> None:
+@pytest.fixture(scope="module")
+def big(prepared, tmp_path_factory):
+    """A corpus of 8 JSONL files that two workers take seconds to prepare, its tokenizer fixed, and
+    its store prepared once, undisturbed: (corpus, command options, environment, reference folder)."""
+    tmp_path = tmp_path_factory.mktemp("big")
     corpus = tmp_path / "big"
     corpus.mkdir()
     texts = documents(24000, seed=1)
@@ -279,29 +288,76 @@ def test_a_preparation_killed_mid_way_continues_to_the_same_bytes(prepared, tmp_
     reference = subprocess.run(prepare_command(corpus, tmp_path / "ref", *sets), cwd=ROOT, capture_output=True,
                                text=True, env={**env, "JAXGPT_CACHE": str(tmp_path / "ref")}, timeout=600)
     assert reference.returncode == 0, reference.stderr
-    ref_folder = Path(json.loads(reference.stdout)["store"])
-    cache = tmp_path / "killed"
+    return corpus, sets, env, Path(json.loads(reference.stdout)["store"])
+
+
+def _started_killed_and_resumed(big, cache: Path, kill) -> subprocess.CompletedProcess:
+    """A preparation into `cache`, `kill(process)` once its first train shard is finished; then
+    checks that a rerun ends with the reference's bytes. The stopped run's outcome."""
+    corpus, sets, env, ref_folder = big
     killed_env = {**env, "JAXGPT_CACHE": str(cache)}
     process = subprocess.Popen(prepare_command(corpus, cache, *sets), cwd=ROOT, env=killed_env,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
     def progress() -> dict | None:
         found = list(cache.glob("stores/*/progress.json"))
-        return json.loads(found[0].read_text()) if found else None
+        try:
+            return json.loads(found[0].read_text()) if found else None
+        except ValueError:  # read while it was replaced
+            return None
 
     while (state := progress()) is None or not state["splits"]["train"]["shards"]:
         assert process.poll() is None, process.communicate()
         time.sleep(0.005)
-    process.kill()
-    process.wait()
-    folder = ref_folder.parent.parent.parent / "killed" / "stores" / ref_folder.name
-    assert not (folder / "index.json").exists(), "the preparation ended before it was killed"
+    kill(process)
+    out, err = process.communicate(timeout=120)
+    folder = cache / "stores" / ref_folder.name
+    assert not (folder / "index.json").exists(), "the preparation ended before it was stopped"
+    assert (folder / state["splits"]["train"]["shards"][0]["name"]).exists()  # what was finished stays
     again = subprocess.run(prepare_command(corpus, cache, *sets), cwd=ROOT, capture_output=True, text=True,
                            env=killed_env, timeout=600)
     assert again.returncode == 0, again.stderr
     assert store_bytes(folder) == store_bytes(ref_folder)
     assert json.loads((folder / "index.json").read_text()) == json.loads((ref_folder / "index.json").read_text())
     assert not list(folder.glob("*.partial")) and not (folder / "progress.json").exists()
+    return subprocess.CompletedProcess(process.args, process.returncode, out, err)
+
+
+def test_a_preparation_killed_mid_way_continues_to_the_same_bytes(big, tmp_path) -> None:
+    def kill(process):
+        process.kill()
+
+    _started_killed_and_resumed(big, tmp_path / "killed", kill)
+
+
+def test_a_killed_encoding_worker_is_one_line_exit_1_and_the_rerun_continues(big, tmp_path) -> None:
+    def kill_a_worker(process):
+        workers = subprocess.run(["pgrep", "-P", str(process.pid), "-f", "jaxgpt.encoding"], capture_output=True,
+                                 text=True).stdout.split()
+        assert workers, "no encoding worker found"
+        os.kill(int(workers[0]), signal.SIGKILL)  # as the kernel's OOM killer does
+
+    stopped = _started_killed_and_resumed(big, tmp_path / "cache", kill_a_worker)
+    assert stopped.returncode == 1
+    lines = stopped.stderr.strip().splitlines()
+    assert len(lines) == 1 and re.fullmatch(
+        r"jaxgpt prepare: error: encoding worker \d was killed by SIGKILL; what was prepared is kept: run the "
+        r"command again to continue", lines[0]), stopped.stderr
+
+
+def test_two_processes_preparing_one_store_take_turns_and_read_the_same_bytes(big, tmp_path) -> None:
+    corpus, sets, env, ref_folder = big
+    cache = tmp_path / "shared"
+    shared_env = {**env, "JAXGPT_CACHE": str(cache)}
+    both = [subprocess.Popen(prepare_command(corpus, cache, *sets), cwd=ROOT, env=shared_env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    results = [(p.communicate(timeout=600), p.returncode) for p in both]
+    assert [code for _, code in results] == [0, 0], [err for (_, err), _ in results]
+    records = [json.loads(out) for (out, _), _ in results]
+    assert records[0]["data_sha256"] == records[1]["data_sha256"] and records[0]["store"] == records[1]["store"]
+    waited = [err for (_, err), _ in results if "note: waiting for process " in err]
+    assert len(waited) == 1 and "which is preparing the token store" in waited[0]
+    assert store_bytes(Path(records[0]["store"])) == store_bytes(ref_folder)
 
 
 def test_sigint_stops_a_preparation_in_one_line_and_a_rerun_finishes_it(prepared, corpus, tmp_path,

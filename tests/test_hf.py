@@ -266,6 +266,24 @@ def test_train_init_from_fine_tunes_and_resumes(tmp_path, capsys):
     assert not other.exists()
 
 
+def test_init_from_takes_the_keys_that_leave_the_weights_function_alone(tmp_path):
+    """The INIT_FROM keys (jaxgpt.config) may differ from the checkpoint's; the others are refused by name."""
+    import dataclasses
+
+    from jaxgpt.hf import load_into
+
+    hf_dir = _gpt2(tmp_path / "hf")
+    imported_cfg, imported = import_hf(hf_dir)
+    for change in ({"kernels": "xla"}, {"remat": "dots"}, {"dtype": "bfloat16"}, {"dropout": 0.1}):
+        model = dataclasses.replace(imported_cfg, **change)
+        params = load_into(model, hf_dir, init_params(model, jax.random.key(0)))
+        np.testing.assert_array_equal(params["blocks"]["attention"]["qkv"]["kernel"],
+                                      imported["blocks"]["attention"]["qkv"]["kernel"])
+    with pytest.raises(ValueError, match="model.norm_eps = 0.001 here"):
+        model = dataclasses.replace(imported_cfg, norm_eps=1e-3)
+        load_into(model, hf_dir, init_params(model, jax.random.key(0)))
+
+
 def test_init_from_a_name_that_is_no_directory_explains_the_download(tmp_path, monkeypatch):
     from jaxgpt.hf import resolve_source
 

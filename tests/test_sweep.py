@@ -16,6 +16,7 @@ from jaxgpt import sweep as sweep_module
 from jaxgpt.checkpoint import load_run
 from jaxgpt.cli import main
 from jaxgpt.config import ConfigError, TrainConfig
+from jaxgpt.errors import UserError
 from jaxgpt.metrics import read_metrics
 from jaxgpt.optim import OptHParams, lr_schedule
 from jaxgpt.sweep import group_members, load_sweep, members, run_sweep, stack_hparams, train_group
@@ -254,7 +255,7 @@ def test_command_line_overrides_and_a_subset_of_variants(base_file, tmp_path, ca
 
     def capture(sweep, out, **_):
         ran.append((sweep, out))
-        raise ValueError("stop before training")
+        raise UserError("stop before training")  # a one-line error: the command ends there
 
     monkeypatch.setattr(sweep_module, "run_sweep", capture)
     assert main(["sweep", str(path), "--set", "model.d_model=48", "--variants", "baseline, rms",

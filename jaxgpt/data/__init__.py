@@ -6,6 +6,7 @@ read back as deterministic batches.
     shards.py                              llm.c's token shard format
     store.py                               the token store: its index, how a run finds it
     prepare.py                             preparing a store: parallel, in order, resumable
+    preparer.py                            one preparer per store: other processes wait for it
     batches.py                             batches as a pure function of (seed, stream, step)
     pipeline.py                            prepare_data: config -> tokenizer + token splits
 """

@@ -16,6 +16,7 @@ import numpy as np
 
 from jaxgpt.config import ModelConfig, RunConfig
 from jaxgpt.data.store import Tokens, TokenSplits
+from jaxgpt.errors import UserError
 from jaxgpt.tokenizer import Tokenizer
 
 TRAIN_STREAM, VAL_STREAM = 0, 1  # independent batch streams from one seed
@@ -46,13 +47,13 @@ def get_batch(
     only names the tokens in errors.
     """
     if len(tokens) < window:
-        raise ValueError(f"the {split} split has {len(tokens)} tokens, fewer than one window of {window}")
+        raise UserError(f"the {split} split has {len(tokens)} tokens, fewer than one window of {window}")
     if batch_size % process_count:
-        raise ValueError(f"batch size {batch_size} is not divisible by process count {process_count}")
+        raise UserError(f"batch size {batch_size} is not divisible by process count {process_count}")
     if not 0 <= process_index < process_count:
-        raise ValueError(f"process index {process_index} is outside [0, {process_count})")
+        raise UserError(f"process index {process_index} is outside [0, {process_count})")
     if min(seed, stream, step) < 0:
-        raise ValueError(f"seed, stream and step must be >= 0, got {seed}, {stream}, {step}")
+        raise UserError(f"seed, stream and step must be >= 0, got {seed}, {stream}, {step}")
     rng = np.random.default_rng([seed, stream, step])
     offsets = rng.integers(0, len(tokens) - window, size=batch_size, endpoint=True)
     per_process = batch_size // process_count
@@ -70,7 +71,7 @@ def window_length(model: ModelConfig) -> int:
 def _checked(batch: np.ndarray, vocab_size: int, split: str) -> np.ndarray:
     """JAX clamps an out-of-range id: a token store written for a larger vocabulary is refused here."""
     if batch.size and int(batch.max()) >= vocab_size:
-        raise ValueError(f"the {split} split holds token id {int(batch.max())}, outside model.vocab_size = "
+        raise UserError(f"the {split} split holds token id {int(batch.max())}, outside model.vocab_size = "
                          f"{vocab_size}: the shards were written with another tokenizer")
     return batch
 

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from jaxgpt.data.documents import Document, Source, stat_entry, in_val_split
+from jaxgpt.errors import UserError
 
 HELD_OUT_SPLITS = ("validation", "test")
 
@@ -48,14 +49,14 @@ class HFSource(Source):
             return datasets.load_dataset(self.name, revision=self.revision, streaming=True)
         except Exception as err:
             first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            raise ValueError(f"cannot load hf dataset {self.name!r}: {first_line}") from None
+            raise UserError(f"cannot load hf dataset {self.name!r}: {first_line}") from None
 
     def documents(self) -> Iterator[Document]:
         datasets, loaded = self._datasets, self._load()
         if isinstance(loaded, (datasets.DatasetDict, datasets.IterableDatasetDict)):
             split = self.split or "train"
             if split not in loaded:
-                raise ValueError(f"hf dataset {self.name!r} has no split {split!r} (splits: {', '.join(loaded)})")
+                raise UserError(f"hf dataset {self.name!r} has no split {split!r} (splits: {', '.join(loaded)})")
             held_out = next((s for s in HELD_OUT_SPLITS if s in loaded and s != split), None)
             if held_out is None:
                 yield from self._rows(loaded[split], by_index=True)
@@ -64,13 +65,13 @@ class HFSource(Source):
                 yield from self._rows(loaded[held_out], val=True)
         else:
             if self.split not in ("", "train"):
-                raise ValueError(f"hf dataset {self.name!r} has no splits; drop ':{self.split}' from data.source")
+                raise UserError(f"hf dataset {self.name!r} has no splits; drop ':{self.split}' from data.source")
             yield from self._rows(loaded, by_index=True)
 
     def _rows(self, dataset, *, val: bool = False, by_index: bool = False) -> Iterator[Document]:
         columns = dataset.column_names
         if columns is not None and self.text_field not in columns:
-            raise ValueError(f"hf dataset {self.name!r} has no {self.text_field!r} column (columns: "
+            raise UserError(f"hf dataset {self.name!r} has no {self.text_field!r} column (columns: "
                              f"{', '.join(columns)}); name it with --set data.text_field=NAME")
         for index, row in enumerate(dataset.select_columns([self.text_field])):
             text = row[self.text_field]

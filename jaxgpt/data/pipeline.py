@@ -15,12 +15,14 @@ from pathlib import Path
 from jaxgpt import signals
 from jaxgpt.config import RunConfig
 from jaxgpt.data.batches import RunData, window_length
-from jaxgpt.data.prepare import Plan, build_store, is_large
 from jaxgpt.data.documents import Source, listing_changes
+from jaxgpt.data.prepare import Plan, build_store, is_large
+from jaxgpt.data.preparer import prepared_once
 from jaxgpt.data.sources import open_source
 from jaxgpt.data.store import TokenSplits, default_cache_dir, foreign_store, is_shard_folder, last_listing, \
     listing_sha, open_store, remember_listing, store_key
 from jaxgpt.data.tokenizer_cache import source_tokenizer
+from jaxgpt.errors import UserError
 from jaxgpt.rundir import RunDir
 from jaxgpt.tokenizer import BPE, CHAR, Tokenizer
 
@@ -36,7 +38,7 @@ def prepare_data(cfg: RunConfig, run_dir: str | Path | None = None, *, workers: 
     folder = Path(data.source).expanduser()
     if not data.source.startswith("hf:") and is_shard_folder(folder):
         if own is None and data.tokenizer in (BPE, CHAR):
-            raise ValueError(f"data.source {data.source} holds token ids: name their tokenizer with "
+            raise UserError(f"data.source {data.source} holds token ids: name their tokenizer with "
                              "--set data.tokenizer=PATH (a tokenizer.json)")
         tokenizer = own or Tokenizer.load(data.tokenizer)
         _check_vocab(tokenizer, cfg)
@@ -47,14 +49,14 @@ def prepare_data(cfg: RunConfig, run_dir: str | Path | None = None, *, workers: 
     window = window_length(cfg.model)
     for split, ids in (("train", tokens.train), ("val", tokens.val)):
         if len(ids) < window:
-            raise ValueError(f"the {split} split has {len(ids)} tokens, fewer than one window of "
+            raise UserError(f"the {split} split has {len(ids)} tokens, fewer than one window of "
                              f"{window} (model.context_length + 1 + model.mtp_depth); use more text")
     return RunData(tokenizer, tokens)
 
 
 def _check_vocab(tokenizer: Tokenizer, cfg: RunConfig) -> None:
     if tokenizer.vocab_size > cfg.model.vocab_size:
-        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens, more than "
+        raise UserError(f"the tokenizer has {tokenizer.vocab_size} tokens, more than "
                          f"model.vocab_size = {cfg.model.vocab_size}")
 
 
@@ -73,9 +75,8 @@ def _prepared(cfg: RunConfig, source: Source, own: Tokenizer | None, cache: Path
     signals.check()  # before the store: a stop asked for during the tokenizer build ends here
     key = store_key(source.identity, digest, tokenizer, data.shard_tokens, data.val_fraction)
     folder = cache / "stores" / key
-    tokens = open_store(folder)
-    if tokens is None:
-        tokens = build_store(Plan(folder, key, source, listing, tokenizer, data.shard_tokens), workers, progress)
+    tokens = prepared_once(cache, key, folder, lambda: open_store(folder), lambda: build_store(
+        Plan(folder, key, source, listing, tokenizer, data.shard_tokens), workers, progress))
     remember_listing(cache, source.identity, listing, folder)
     return tokenizer, tokens
 

@@ -10,8 +10,9 @@ documents consumed, each split's finished shards (with their hashes) and the len
 being written. Killed at any moment, a rerun cuts the shard being written back to the ledger's
 length, skips the documents already consumed and goes on: it ends byte-identical to a preparation
 never stopped. SIGINT or SIGTERM (inside `signals.handled()`) stops it at the next task with the
-ledger written. Bad input (a row without its field, a file that is not UTF-8, a source that
-changed while it was read) removes the folder and raises ValueError.
+ledger written. Bad input (a row without its field, a document the tokenizer cannot take, a
+source that changed while it was read) removes the shard being written, and the folder where no
+finished shard is left, and raises UserError; a worker that dies (Failure) removes nothing.
 """
 
 from __future__ import annotations
@@ -31,11 +32,12 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxgpt import signals
-from jaxgpt.data.shards import HEADER_BYTES, ShardError, ShardWriter, read_header, token_dtype
 from jaxgpt.data.documents import Document, Source, listing_changes
+from jaxgpt.data.shards import HEADER_BYTES, ShardError, ShardWriter, read_header, token_dtype
 from jaxgpt.data.store import INDEX, LISTING, SPLITS, STORE_FORMAT, STORE_VERSION, TokenSplits, listing_sha, \
     open_store, shard_name
 from jaxgpt.encoding import HF, TIKTOKEN, Encoder, Workers, tiktoken_encoding
+from jaxgpt.errors import Failure, UserError
 from jaxgpt.rundir import write_atomic
 from jaxgpt.tokenizer import Tokenizer
 
@@ -258,10 +260,15 @@ def build_store(plan: Plan, workers: int | None = None, progress: bool = True) -
         bar.total = bar.n  # the size was the files' (markup, compression): the text is all read
         bar.refresh()
         _finish(plan, splits, encoder_kind)
-    except ValueError:
+    except UserError:  # bad input: the shard being written goes, and the folder if nothing else stays
         for s in splits.values():
             s.writer.close()
-        shutil.rmtree(folder, ignore_errors=True)  # bad input: nothing of it stays
+            s.writer.partial.unlink(missing_ok=True)
+        if not any(s.shards for s in splits.values()):
+            shutil.rmtree(folder, ignore_errors=True)
+        raise
+    except Failure:  # a worker died: everything encoded so far stays, and the ledger says how far
+        commit()
         raise
     finally:
         bar.close()
@@ -277,11 +284,11 @@ def build_store(plan: Plan, workers: int | None = None, progress: bool = True) -
 def _finish(plan: Plan, splits: dict[str, _Split], encoder_kind: str) -> None:
     for name, split in splits.items():
         if split.tokens == 0:
-            raise ValueError(f"{plan.source.description}: the {name} split is empty"
+            raise UserError(f"{plan.source.description}: the {name} split is empty"
                              + ("; raise data.val_fraction or add data" if name == "val" else ""))
     now = plan.source.listing()
     if now != plan.listing:
-        raise ValueError(f"{plan.source.description} changed while it was being prepared: "
+        raise UserError(f"{plan.source.description} changed while it was being prepared: "
                          f"{listing_changes(plan.listing, now)}; prepare it again once it is complete")
     for split in splits.values():
         split.finish()

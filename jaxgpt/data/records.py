@@ -12,6 +12,7 @@ import gzip
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from jaxgpt.errors import UserError
 
 RECORD_SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet")
 PARQUET_BATCH_ROWS = 1024
@@ -40,17 +41,17 @@ def _jsonl_rows(path: Path, text_field: str) -> Iterator[str]:
                 try:
                     record = json.loads(line)
                 except (json.JSONDecodeError, UnicodeDecodeError) as err:
-                    raise ValueError(f"{path}:{number} is not a JSON line: {err}") from None
+                    raise UserError(f"{path}:{number} is not a JSON line: {err}") from None
                 if not isinstance(record, dict) or text_field not in record:
                     keys = ", ".join(record) if isinstance(record, dict) else type(record).__name__
-                    raise ValueError(f"{path}:{number} has no {text_field!r} field (it has: {keys}); "
+                    raise UserError(f"{path}:{number} has no {text_field!r} field (it has: {keys}); "
                                      "name the field with --set data.text_field=NAME")
                 text = record[text_field]
                 if not isinstance(text, str):
-                    raise ValueError(f"{path}:{number}: {text_field!r} is a {type(text).__name__}, not a string")
+                    raise UserError(f"{path}:{number}: {text_field!r} is a {type(text).__name__}, not a string")
                 yield text
     except (gzip.BadGzipFile, EOFError) as err:
-        raise ValueError(f"{path} is not a complete gzip file: {err}") from None
+        raise UserError(f"{path} is not a complete gzip file: {err}") from None
 
 
 def _parquet_rows(path: Path, text_field: str) -> Iterator[str]:
@@ -61,13 +62,13 @@ def _parquet_rows(path: Path, text_field: str) -> Iterator[str]:
     try:
         parquet = pq.ParquetFile(path)
     except Exception as err:  # pyarrow's ArrowInvalid and friends
-        raise ValueError(f"{path} is not a Parquet file: {err}") from None
+        raise UserError(f"{path} is not a Parquet file: {err}") from None
     columns = parquet.schema_arrow.names
     if text_field not in columns:
-        raise ValueError(f"{path} has no {text_field!r} column (columns: {', '.join(columns)}); "
+        raise UserError(f"{path} has no {text_field!r} column (columns: {', '.join(columns)}); "
                          "name the column with --set data.text_field=NAME")
     for batch in parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=[text_field]):
         for text in batch.column(0).to_pylist():
             if text is not None and not isinstance(text, str):
-                raise ValueError(f"{path}: column {text_field!r} holds {type(text).__name__} values, not strings")
+                raise UserError(f"{path}: column {text_field!r} holds {type(text).__name__} values, not strings")
             yield text or ""

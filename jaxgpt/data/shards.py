@@ -14,13 +14,15 @@ from typing import BinaryIO
 
 import numpy as np
 
+from jaxgpt.errors import UserError
+
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
 # (magic, version) -> token dtype, as llm.c's data_common.py writes them
 FORMATS = {(20240520, 1): np.dtype(np.uint16), (20240801, 7): np.dtype(np.uint32)}
 
 
-class ShardError(ValueError):
+class ShardError(UserError):
     """A file that is not a complete llm.c token shard."""
 
 

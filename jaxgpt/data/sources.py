@@ -28,6 +28,7 @@ from pathlib import Path
 from jaxgpt.data.documents import Document, Source, stat_entry, bucket, in_val_split, row_name
 from jaxgpt.data.hf_source import HFSource
 from jaxgpt.data.records import record_rows, record_suffix
+from jaxgpt.errors import UserError
 from jaxgpt.tokenizer import safe_cut
 
 # Not the standard library (site-packages), or left out to keep the default run small.
@@ -100,7 +101,7 @@ def _val_start(path: Path, val_fraction: float) -> int:
     return cut + next((i for i, b in enumerate(tail) if b & 0xC0 != 0x80), len(tail))
 
 
-class NotUTF8(ValueError):
+class NotUTF8(UserError):
     """A text file that does not decode as UTF-8."""
 
 
@@ -166,7 +167,7 @@ def _hidden(relative: Path) -> bool:
 def open_source(spec: str, val_fraction: float, text_field: str = "text") -> Source:
     """The source `data.source` names; FileNotFoundError or ValueError naming what is wrong."""
     if not 0.0 < val_fraction < 1.0:
-        raise ValueError(f"data.val_fraction = {val_fraction!r} must be in (0, 1)")
+        raise UserError(f"data.val_fraction = {val_fraction!r} must be in (0, 1)")
     if spec == "stdlib":
         version = ".".join(map(str, sys.version_info[:3]))
         return Files(stdlib_root(), stdlib_paths(), val_fraction, text_field,
@@ -189,7 +190,7 @@ def open_source(spec: str, val_fraction: float, text_field: str = "text") -> Sou
     else:
         raise FileNotFoundError(f"data source not found: {spec}")
     if not files:
-        raise ValueError(f"data source {spec} is empty: it holds no files")
+        raise UserError(f"data source {spec} is empty: it holds no files")
     identity = {"kind": "files", "spec": str(path.absolute()), "text_field": text_field}
     return Files(root.absolute(), [p.absolute() for p in files], val_fraction, text_field, spec, identity)
 

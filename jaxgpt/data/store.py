@@ -28,6 +28,7 @@ import numpy as np
 
 from jaxgpt.data.documents import stat_entry
 from jaxgpt.data.shards import ShardError, open_shard, read_header
+from jaxgpt.errors import UserError
 from jaxgpt.rundir import write_atomic
 from jaxgpt.tokenizer import Tokenizer
 
@@ -193,17 +194,17 @@ def foreign_store(folder: Path, tokenizer: Tokenizer, cache_dir: Path) -> TokenS
     if own is not None:
         return own
     if read_index(folder) is not None:
-        raise ValueError(f"{folder} is a jaxgpt token store whose shards do not match its index (damaged "
+        raise UserError(f"{folder} is a jaxgpt token store whose shards do not match its index (damaged "
                          "or still being written)")
     paths = sorted(p for p in folder.iterdir() if p.suffix == ".bin")
     val = [p for p in paths if "val" in p.name] or paths[:1]
     train = [p for p in paths if p not in val]
     if not train:
-        raise ValueError(f"{folder} holds {len(paths)} token shard(s), all of them val: a train shard is needed")
+        raise UserError(f"{folder} holds {len(paths)} token shard(s), all of them val: a train shard is needed")
     headers = {p: read_header(p) for p in paths}  # ShardError (a ValueError) names a bad one
     dtypes = {dtype for _, dtype in headers.values()}
     if len(dtypes) > 1:
-        raise ValueError(f"{folder} mixes uint16 and uint32 shards")
+        raise UserError(f"{folder} mixes uint16 and uint32 shards")
     listing = [[p.name, *stat_entry(p)] for p in paths]
     key = hashlib.sha256(json.dumps([str(folder.absolute()), listing, tokenizer.fingerprint]).encode()).hexdigest()
     known_path = cache_dir / "shard_folders" / f"{key}.json"
@@ -226,7 +227,7 @@ def foreign_store(folder: Path, tokenizer: Tokenizer, cache_dir: Path) -> TokenS
             for start in range(0, len(shard), 1 << 24):
                 ids = np.asarray(shard[start:start + (1 << 24)])
                 if ids.size and int(ids.max()) >= len(lengths):
-                    raise ValueError(f"{folder} holds token id {int(ids.max())}, outside the tokenizer's "
+                    raise UserError(f"{folder} holds token id {int(ids.max())}, outside the tokenizer's "
                                      f"{len(lengths)} tokens: name the tokenizer the shards were written with")
                 val_bytes += int(lengths[ids].sum())
         known = {"tokens_sha256": digest.hexdigest(), "val_bytes": val_bytes}

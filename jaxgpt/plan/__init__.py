@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 from jaxgpt.config import ConfigError, RunConfig
+from jaxgpt.errors import UserError
 from jaxgpt.plan.report import HEADROOM, PROGRAMS
 from jaxgpt.plan.targets import Target, known_names, target
 
@@ -38,6 +39,8 @@ def plan(cfg: RunConfig, target_name: str | None = None, *, fit: bool | int = Fa
     record = plans([cfg], target_name, fit=fit, programs=programs, headroom=headroom, echo=echo)[0]
     if "error" in record:
         raise ConfigError(record["error"])
+    if "failure" in record:
+        raise RuntimeError(f"the compiler failed: {record['failure']} (its traceback is above)")
     return record
 
 
@@ -45,7 +48,7 @@ def plans(cfgs: Sequence[RunConfig], target_name: str | None = None, *, fit: boo
           programs: Sequence[str] = PROGRAMS, headroom: float = HEADROOM,
           echo: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
     """`plan` of each config, a target's in one compile process; a config that cannot be planned
-    gives {"error": why} in its place."""
+    gives {"error": why} in its place, one its compiler failed on {"failure": what}."""
     if target_name is None:
         return [_plan_here(cfg, fit=fit, programs=programs, headroom=headroom) for cfg in cfgs]
     from jaxgpt.plan.compilers import run_worker
@@ -77,6 +80,6 @@ def largest_fitting_batch(cfg: RunConfig, target_name: str | None = None, *, hea
     record = plan(cfg, target_name, fit=most or True, headroom=headroom)
     if record["largest_batch"] is None:
         where = target_name or "this machine's devices"
-        raise ValueError(f"no batch of {cfg.model.context_length}-token rows fits {headroom:.0%} of a chip of "
+        raise UserError(f"no batch of {cfg.model.context_length}-token rows fits {headroom:.0%} of a chip of "
                          f"{where}, not even the smallest the devices split ({record['batch_size']} rows)")
     return record["largest_batch"], record

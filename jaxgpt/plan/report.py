@@ -13,6 +13,7 @@ import jax
 
 from jaxgpt import parallel
 from jaxgpt.config import RunConfig
+from jaxgpt.errors import UserError
 from jaxgpt.kernels import choose_kernels
 from jaxgpt.plan.programs import (compile_decode, compile_eval, compile_train, mesh_for, planned_memory,
                                   with_batch)
@@ -47,7 +48,7 @@ def plan_on(cfg: RunConfig, devices: Sequence[jax.Device], device_bytes: int | N
     largest = None
     if fit:
         if device_bytes is None:
-            raise ValueError("these devices report no memory to fit a batch in: plan for a --target")
+            raise UserError("these devices report no memory to fit a batch in: plan for a --target")
         state = planned_memory(cfg, mesh)
         state_bytes = state["params_bytes_per_device"] + state["opt_state_bytes_per_device"]
         if state_bytes > headroom * device_bytes:  # no batch can fit: spare the search its compiles

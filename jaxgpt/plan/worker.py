@@ -3,7 +3,8 @@
 Reads one JSON request on stdin, {"target": "v5e-1", "plans": [{"config": {...}, "fit": false,
 "programs": [...], "headroom": 0.9}, ...]}, and writes progress lines ("jaxgpt plan: ...") and
 then a JSON list on stdout, one line: each plan's record, or {"error": "..."} where the user
-asked for what cannot be planned (a batch the target's chips cannot split, say). Many configs share one process, one topology and the
+asked for what cannot be planned (a batch the target's chips cannot split, say), or
+{"failure": "..."} where the compiler failed (its traceback on stderr). Many configs share one process, one topology and the
 compiler's start. `jaxgpt.plan.compilers.run_worker` starts it, with the environment that keeps
 JAX on the CPU.
 """
@@ -12,9 +13,11 @@ from __future__ import annotations
 
 import json
 import sys
+import traceback
 from typing import Any
 
-from jaxgpt.config import ConfigError, build_config
+from jaxgpt.config import build_config
+from jaxgpt.errors import UserError
 from jaxgpt.plan.targets import Target, target
 
 
@@ -65,8 +68,11 @@ def main() -> int:
     for one in request["plans"]:
         try:
             records.append(plan_target(spec, devices, one))
-        except (ConfigError, ValueError) as error:  # what the user asked for cannot be planned
+        except UserError as error:  # what the user asked for cannot be planned
             records.append({"error": f"{spec.name}: {error}"})
+        except Exception as error:  # the compiler failed on a program: said with its traceback, and the next plan goes on
+            traceback.print_exc()
+            records.append({"failure": f"{spec.name}: {type(error).__name__}: {str(error).strip().splitlines()[0]}"})
     print(json.dumps(records), flush=True)
     return 0
 
