@@ -34,7 +34,6 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec
 
 from jaxgpt.kernels import xla
 from jaxgpt.kernels.base import Kernels, per_device
