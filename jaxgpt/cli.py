@@ -17,6 +17,8 @@ from jaxgpt.errors import Failure, UserError
 
 # One line each (jaxgpt.errors); any other exception is a bug and keeps its traceback.
 USER_ERRORS = (UserError, OSError, ImportError)
+# The commands that compile programs, which the compilation cache serves (jaxgpt.compile_cache).
+COMPILING = ("train", "eval", "generate", "sweep", "bench", "dry-run", "import-hf", "export-hf")
 
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
@@ -142,11 +144,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     ben = _command(sub, "bench", "benchmarks: step time, tokens/s, MFU, compile, decoding",
                    description="benchmarks: JSON per measurement on stdout, a table on stderr")
-    ben.add_argument("mode", choices=("train", "forward", "compile", "decode", "speculative"),
+    ben.add_argument("mode", choices=("train", "forward", "compile", "decode", "speculative", "startup"),
                      help="train: step time, tokens/s, MFU (remat x dtype); forward: batch-one latency "
                           "at 128..2048 tokens; compile: compile time and memory against depth, remat "
                           "memory; decode: KV cache against recomputation, cost against position; "
-                          "speculative: MTP self-speculative against plain greedy on --run's val text")
+                          "speculative: MTP self-speculative against plain greedy on --run's val text; "
+                          "startup: fresh processes to the first train step and the first generated "
+                          "token, compilation cache empty and filled")
     _add_config_args(ben)
     ben.add_argument("--run", help="speculative mode: a trained run directory with model.mtp_depth >= 1")
     ben.add_argument("--repeats", type=int, default=5, help="timed repeats; medians are reported")
@@ -226,6 +230,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     func: Callable[[argparse.Namespace], int] = args.func
     try:
+        if args.command in COMPILING:
+            from jaxgpt import compile_cache
+
+            compile_cache.enable()  # before the first compile: programs compiled before are kept
         if not args.handles_signals:
             from jaxgpt import signals
 

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import functools
 import math
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -347,8 +348,10 @@ def generate_tokens(
 
     `speculative` (greedy only, needs `mtp_depth >= 1`): the MTP adapters draft the next
     `mtp_depth` tokens and one forward pass verifies them; the output equals plain greedy
-    decoding. `stats`, if given, is filled at the end with forward_passes, drafted, accepted and
-    acceptance_rate. `prompt_width` sets the prefill's width (at least the longest prompt, at most
+    decoding. `stats`, if given, is filled at the end with forward_passes, drafted, accepted,
+    acceptance_rate, first_token_s (from the first `next()` to the first chunk, compiles included)
+    and tokens_per_s (the chunks after the first, decoding alone; None with a single chunk).
+    `prompt_width` sets the prefill's width (at least the longest prompt, at most
     `context_length`; default: the longest prompt's power-of-two bucket), for a caller that keeps
     its compiled shapes to a few of its own. Bad arguments raise ValueError here, at the call,
     not at the first `next()`.
@@ -393,8 +396,9 @@ def _decode_loop(
     if max_new_tokens == 0:
         return
     size = buffer_size(cfg, P, max_new_tokens, options["draft"])
+    started = time.perf_counter()
     state = _start(params, padded, lengths, np.int32(max_new_tokens), stop, key, size=size, **options)
-    emitted = 0
+    emitted, first = 0, None  # first: (seconds to the first chunk, the tokens it held)
     while True:
         target = min(emitted + chunk, max_new_tokens)
         state = _advance(params, state, np.int32(target), stop, key, **options)
@@ -403,6 +407,8 @@ def _decode_loop(
         finished = length >= end
         # Every position up to the slowest unfinished row is known for all rows.
         ready = int(produced.max() if finished.all() else produced[~finished].min())
+        if first is None:
+            first = (time.perf_counter() - started, ready)
         for t in range(emitted, ready):
             yield np.where(t < produced, seq[np.arange(B), np.minimum(lengths + t, seq.shape[1] - 1)],
                            FINISHED).astype(np.int32)
@@ -411,8 +417,13 @@ def _decode_loop(
             break
     if stats is not None:
         drafted, accepted = int(state["drafted"]), int(state["accepted"])
+        decode_s = time.perf_counter() - started - first[0]
         stats.update(forward_passes=int(state["step"]), drafted=drafted, accepted=accepted,
-                     acceptance_rate=accepted / drafted if drafted else None)
+                     acceptance_rate=accepted / drafted if drafted else None,
+                     first_token_s=round(first[0], 4),
+                     # the chunks after the first, which holds the compiles: decoding alone
+                     tokens_per_s=round((emitted - first[1]) / decode_s, 1) if emitted > first[1] and decode_s > 0
+                     else None)
 
 
 def generate(

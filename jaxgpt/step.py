@@ -130,7 +130,7 @@ def compile_steps(cfg: RunConfig, kernels: Kernels | None = None):
     by default the ones chosen for its model on this backend)."""
     kernels = kernels or choose_kernels(cfg.model)
     options = kernels.jit_options()
-    train = jax.jit(lambda state, batch: train_step(cfg, state, batch, kernels=kernels), donate_argnums=0,
-                    compiler_options=options)
-    evaluate = jax.jit(lambda params, batch: eval_step(cfg, params, batch, kernels), compiler_options=options)
+    # Partials, not lambdas: the programs keep their functions' names (in profiles, in the cache's log).
+    train = jax.jit(functools.partial(train_step, cfg, kernels=kernels), donate_argnums=0, compiler_options=options)
+    evaluate = jax.jit(functools.partial(eval_step, cfg, kernels=kernels), compiler_options=options)
     return train, evaluate

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 from tqdm.auto import tqdm
 
-from jaxgpt import distributed, signals
+from jaxgpt import compile_cache, distributed, signals
 from jaxgpt.checkpoint import Checkpointer, StateMismatch, finished_at, load_run_config
 from jaxgpt.config import FORCE, RESUME, RunConfig, keys_with
 from jaxgpt.data import RunData, evaluate, prepare_data, train_batch
@@ -29,6 +29,7 @@ from jaxgpt.metrics import MetricsWriter, Throughput, plot_losses, truncate_metr
 from jaxgpt.model import count_params, init_params
 from jaxgpt.rundir import RunDir, write_atomic
 from jaxgpt.runtime import Runtime, make_runtime
+from jaxgpt.startup import Startup
 from jaxgpt.step import TrainState
 
 if TYPE_CHECKING:  # imported when a run asks for tasks: the harness is an extra
@@ -122,12 +123,14 @@ def train(cfg: RunConfig, out_dir: str | Path = "runs/default", *, resume: bool 
     SIGINT or SIGTERM during training stops after the current step with a checkpoint (the summary
     then carries `signal`); before the first step it raises `signals.Stopped` with nothing written.
     """
+    clock = Startup()
+    compile_cache.enable()  # compiled programs kept and reused across processes (once per process)
     with signals.handled():
-        return _train(cfg, out_dir, resume=resume, force=force, progress=progress, init_from=init_from)
+        return _train(cfg, out_dir, resume=resume, force=force, progress=progress, init_from=init_from, clock=clock)
 
 
 def _train(cfg: RunConfig, out_dir: str | Path, *, resume: bool, force: bool, progress: bool,
-           init_from: str | Path | None) -> dict[str, Any]:
+           init_from: str | Path | None, clock: Startup) -> dict[str, Any]:
     run_dir = Path(out_dir)
     files = RunDir(run_dir)
     _check_out_dir(run_dir)
@@ -142,7 +145,9 @@ def _train(cfg: RunConfig, out_dir: str | Path, *, resume: bool, force: bool, pr
     elif not resume and has_checkpoints:
         raise UserError(f"{run_dir} already holds a run; continue it with `jaxgpt train --out {run_dir} --resume` "
                          "(and the same --config/--set/--data), or choose another --out")
+    clock.stage("checks")
     data = distributed.writer_first(lambda: prepare_data(cfg, run_dir), "prepare-data")  # builds caches once
+    clock.stage("data")
     if data.tokenizer.kind == "char" and data.tokenizer.vocab_size < cfg.model.vocab_size:
         print(f"note: the char tokenizer has {data.tokenizer.vocab_size} tokens (the corpus's distinct "
               f"characters and the end-of-text token); model.vocab_size = {cfg.model.vocab_size} leaves "
@@ -171,14 +176,16 @@ def _train(cfg: RunConfig, out_dir: str | Path, *, resume: bool, force: bool, pr
 
     expected = manifest(cfg, data)
     checkpointer = Checkpointer(run_dir, keep=cfg.train.keep_checkpoints)
+    clock.stage("setup")
     try:
         if resume:
             state = _resume(checkpointer, runtime, state, expected, run_dir, force)
+            clock.stage("restore")
         if main_process:
             truncate_metrics(files.metrics, after_step=int(runtime.to_saved(state).step))
         with signals.handled() as stop:
             summary = _loop(cfg, run_dir, data, state, runtime, checkpointer, expected, stop,
-                            progress and main_process, main_process, tasks)
+                            progress and main_process, main_process, tasks, clock)
     finally:
         checkpointer.close()
     if main_process:
@@ -197,7 +204,7 @@ def _check_out_dir(run_dir: Path) -> None:
 
 def _loop(cfg: RunConfig, run_dir: Path, data: RunData, state: TrainState, runtime: Runtime,
           checkpointer: Checkpointer, expected: dict[str, Any], stop: signals.StopRequest, progress: bool,
-          main_process: bool, tasks: TrainingTasks | None) -> dict[str, Any]:
+          main_process: bool, tasks: TrainingTasks | None, clock: Startup) -> dict[str, Any]:
     start, total = int(runtime.to_saved(state).step), cfg.train.steps
     tokens_per_step = cfg.train.batch_size * cfg.model.context_length
     n_params = count_params(runtime.params(state))
@@ -226,6 +233,9 @@ def _loop(cfg: RunConfig, run_dir: Path, data: RunData, state: TrainState, runti
         for step in range(start, total):
             batch = train_batch(cfg, data, step, cfg.train.seed)
             state, metrics = runtime.train_step(state, batch)
+            if step == start:  # the first step done: compiled (or loaded) and run
+                jax.block_until_ready(metrics)
+                clock.stage("first_step")
             if pending is not None:
                 train_loss = _log_step(pending, cfg, writer, bar, throughput, run_dir, last_saved)
             pending = (step + 1, metrics)
@@ -270,7 +280,8 @@ def _loop(cfg: RunConfig, run_dir: Path, data: RunData, state: TrainState, runti
         if stopping:
             summary["signal"] = int(stopping)
         writer.write(summary)
-    return summary
+    # Where the start went, for whoever called (`jaxgpt bench startup`): not a metrics record.
+    return {**summary, "startup": clock.record()}
 
 
 def _log_step(pending, cfg: RunConfig, writer: MetricsWriter, bar, throughput: Throughput,

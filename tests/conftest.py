@@ -16,6 +16,7 @@ def xla_flags(devices: int) -> str:
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_FLAGS", xla_flags(8))
 
+import jaxgpt  # noqa: F401,E402  (before jax: keeps the absent GPU's plugin from loading and talking)
 import jax
 import jax.numpy as jnp
 import pytest
@@ -27,15 +28,17 @@ def _private_token_cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("JAXGPT_CACHE", str(tmp_path_factory.getbasetemp() / "jaxgpt-cache"))
 
 
-@pytest.fixture(scope="module")
-def subprocess_compile_cache(tmp_path_factory):
-    """The processes a module's tests start share JAX's persistent compilation cache: they compile
-    the same few programs, and a hit loads a program instead of compiling it again. (This process
-    read its JAX settings at import: it is unaffected.)"""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path_factory.mktemp("xla-cache")))
-        patch.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-        yield
+@pytest.fixture(scope="session", autouse=True)
+def _shared_compile_cache(tmp_path_factory):
+    """One compiled-program cache (jaxgpt.compile_cache) for the whole run: pytest-xdist's workers,
+    and the processes the tests start, load the programs another compiled instead of compiling them
+    again. It lives in the run's temporary root, never the user's cache. Tests that check compiling
+    or caching give their processes folders of their own."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the run's folder, above the workers' own
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = str(root / "xla-cache")
+    yield
 
 
 @pytest.fixture

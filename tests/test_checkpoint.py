@@ -31,7 +31,6 @@ OVERRIDES = ["model.context_length=32", "model.d_model=32", "model.n_heads=4", "
              "train.eval_every=8", "train.eval_batches=2", "train.log_every=1", "train.sample_tokens=0",
              "train.keep_checkpoints=10", "data.tokenizer=char", "model.vocab_size=64"]
 TIMING_KEYS = {"tokens_per_s", "wall_s"}
-pytestmark = pytest.mark.usefixtures("subprocess_compile_cache")
 
 
 def write_corpus(path: Path) -> Path:

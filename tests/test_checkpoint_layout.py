@@ -16,7 +16,6 @@ from jaxgpt.state_layout import NotCarried, carry_over, leaf_names
 from jaxgpt.step import init_state
 from test_checkpoint import OVERRIDES, config, write_corpus
 
-pytestmark = pytest.mark.usefixtures("subprocess_compile_cache")
 STEPS = ["train.steps=8"]
 
 

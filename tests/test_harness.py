@@ -34,6 +34,7 @@ SETS = ["model.context_length=32", "model.d_model=32", "model.n_heads=4", "model
         "train.batch_size=8", "train.warmup_steps=2", "train.lr=1e-2", "train.steps=12", "train.checkpoint_every=4",
         "train.eval_every=12", "train.eval_batches=1", "train.sample_tokens=0", "train.keep_checkpoints=5",
         f"train.eval_tasks={CHOICE}", "train.eval_tasks_every=4", f"train.eval_tasks_path={json.dumps(str(TASKS))}"]
+# Each program this process obtains: JAX times a load from the suite's compilation cache as a compile.
 COMPILES: list[str] = []
 jax.monitoring.register_event_duration_secs_listener(
     lambda event, _seconds, **_: COMPILES.append(event) if event == "/jax/core/compile/backend_compile_duration" else None)

@@ -39,7 +39,6 @@ RUNS = [(layout, n) for layout in LAYOUTS for n in (1, 2)]  # layout, processes 
 # same layout is bitwise, in one process: test_checkpoint).
 RESUMES = [("data", 2, 1), ("fsdp", 1, 2)]
 RUN_TIMEOUT_S = 600  # a guard against a hang, far above a run's time
-pytestmark = pytest.mark.usefixtures("subprocess_compile_cache")
 
 
 def _env(cache: Path) -> dict:
@@ -73,7 +72,7 @@ def _truncated_copy(run: Path, to: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, subprocess_compile_cache):
+def runs(tmp_path_factory):
     """Each layout trained by one process of 8 devices and by two of 4; then the first checkpoint
     of a run resumed by another number of processes (the RESUMES)."""
     folder = tmp_path_factory.mktemp("hosts")

@@ -31,10 +31,11 @@ def write_corpus(path: Path) -> Path:
 
 def start(tmp_path: Path, data: str | None = None, *, sigint_ignored: bool = False
           ) -> tuple[subprocess.Popen, Path, Path]:
-    """`jaxgpt train` with a fresh cache, so it builds its tokenizer and token files and compiles.
+    """`jaxgpt train` with fresh caches, so it builds its tokenizer and token files and compiles.
     `sigint_ignored` starts it as a non-interactive shell starts a background job (`cmd &`)."""
     corpus, run, cache = write_corpus(tmp_path / "corpus.txt"), tmp_path / "run", tmp_path / "cache"
-    env = {**os.environ, "JAXGPT_CACHE": str(cache), "XLA_FLAGS": xla_flags(1)}
+    env = {**os.environ, "JAXGPT_CACHE": str(cache), "JAX_COMPILATION_CACHE_DIR": str(cache / "xla"),
+           "XLA_FLAGS": xla_flags(1)}
     args = [sys.executable, "-m", "jaxgpt", "train", "--no-progress", "--data", data or str(corpus), "--out", str(run)]
     args += [a for o in TINY for a in ("--set", o)]
     ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint_ignored else None

@@ -26,7 +26,6 @@ SETS = ["model.context_length=16", "model.d_model=32", "model.n_heads=4", "model
         "train.checkpoint_every=4", "train.keep_checkpoints=10", "train.eval_every=4", "train.eval_batches=1",
         "train.sample_tokens=0"]
 BENCH_TABLE = (r"(mode|speculative)\s.*",)  # `bench` prints its table to stderr
-pytestmark = pytest.mark.usefixtures("subprocess_compile_cache")
 
 
 @pytest.fixture(scope="module")
