@@ -166,6 +166,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="override one config key of every variant, after the file's set; repeatable")
     sw.add_argument("--variants", metavar="A,B,...", help="train only these variants (the baseline among them)")
     sw.add_argument("--no-progress", action="store_true", help="no progress bars")
+    sw.add_argument("--dry-run", action="store_true",
+                    help="train nothing: list the groups, their members and the devices each gets")
+    sw.add_argument("--target", metavar="NAME", help="with --dry-run: each group's train step compiled for a chip "
+                    "(v5e-8, h100-8, ...: see `dry-run --target`), its memory a chip and whether it fits")
     sw.set_defaults(func=cmd_sweep)
 
     imp = _command(sub, "import-hf", "make a run from a Hugging Face GPT-2 or Llama folder")

@@ -8,10 +8,14 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from jaxgpt.config import load_config
 from jaxgpt.errors import UserError
 from jaxgpt.rundir import RunDir
+
+if TYPE_CHECKING:
+    from jaxgpt.sweep import Sweep
 
 
 def cmd_dry_run(args: argparse.Namespace) -> int:
@@ -228,20 +232,68 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_sweep(args: argparse.Namespace) -> int:
     from jaxgpt.config import ConfigError
+    from jaxgpt.distributed import is_writer, maybe_initialize_distributed
     from jaxgpt.sweep import load_sweep, run_sweep
     from jaxgpt.sweep_report import markdown_table, summarise
 
     only = tuple(name.strip() for name in args.variants.split(",")) if args.variants else None
-    if (args.overrides or only) and not args.out:
+    if args.target and not args.dry_run:
+        raise ConfigError("--target plans a sweep for a chip: add --dry-run")
+    if (args.overrides or only) and not args.out and not args.dry_run:
         # A rerun drops the records of members the sweep no longer has: the file's own grid is kept
         # out of reach of a changed or partial one.
         raise ConfigError("with --set or --variants, name an --out folder (runs/sweep-NAME holds the file's "
                           "whole grid)")
+    if not args.dry_run:
+        maybe_initialize_distributed()  # `jaxgpt launch -n N -- sweep ...`: one sweep over every process's devices
     sweep = load_sweep(args.sweep, seeds=args.seeds, overrides=tuple(args.overrides), only=only)
+    if args.dry_run:
+        return _sweep_plan(sweep, args.target)
     out = Path(args.out or f"runs/sweep-{sweep.name}")
     records = run_sweep(sweep, out, progress=not args.no_progress)
-    print(markdown_table(summarise(sweep, records), sweep.reference), end="")
-    print(f"results: {out / 'results.jsonl'}, {out / 'results.md'}, {out / 'val_loss.png'}", file=sys.stderr)
+    if is_writer():
+        print(markdown_table(summarise(sweep, records), sweep.reference), end="")
+        print(f"results: {out / 'results.jsonl'}, {out / 'results.md'}, {out / 'val_loss.png'}", file=sys.stderr)
+    return 0
+
+
+def _sweep_plan(sweep: Sweep, target_name: str | None) -> int:
+    """`sweep --dry-run [--target NAME]`: a JSON line per group on stdout, a line each on stderr."""
+    from jaxgpt.sweep import group_members, members, shared_config
+
+    groups = group_members(members(sweep))
+    if target_name is None:
+        import jax
+
+        from jaxgpt.sweep_mesh import layout_for
+
+        devices = len(jax.devices())
+        layouts = [layout_for(shared_config(group[0].config), len(group)) for group in groups]
+        plans = [{"target": None, "devices": layout.devices, "mesh": {"members": layout.members, "data": layout.data}}
+                 for layout in layouts]
+    else:
+        from jaxgpt.plan import plan_groups, target
+
+        devices = target(target_name).chips
+        plans = plan_groups([(shared_config(g[0].config), len(g)) for g in groups], target_name)
+    for number, (group, plan) in enumerate(zip(groups, plans), start=1):
+        if "error" in plan or "failure" in plan:
+            raise UserError(plan.get("error") or f"the compiler failed: {plan['failure']} (its traceback is above)")
+        mesh = plan.get("mesh") or plan["compiled"]["mesh"]
+        variants = list(dict.fromkeys(m.variant for m in group))
+        record = {"group": number, "variants": variants, "members": [f"{m.variant}/{m.seed}" for m in group],
+                  **{k: v for k, v in plan.items() if k != "members"}, "mesh": mesh}
+        print(json.dumps(record))
+        line = (f"group {number} [{', '.join(variants)}] x{len(group)}: {plan['devices']} of {devices} devices "
+                f"(members {mesh['members']} x data {mesh['data']})")
+        compiled = plan.get("compiled", {})
+        if compiled.get("total_bytes") is not None:
+            line += f", {compiled['total_bytes'] / 2**30:.2f} GiB a chip"
+        if "refused" in compiled:
+            line += ", refused by the compiler for memory"
+        if plan.get("fits") is not None:
+            line += ", fits" if plan["fits"] else ", does not fit"
+        print(line, file=sys.stderr)
     return 0
 
 

@@ -29,7 +29,7 @@ from typing import IO
 from jaxgpt import signals
 from jaxgpt.errors import UserError
 
-MULTI_PROCESS_COMMANDS = ("train",)
+MULTI_PROCESS_COMMANDS = ("train", "sweep")
 KEPT_LINES = 20  # of a process other than 0, shown when it fails
 EXIT_GRACE_S = 30.0  # how long the others may take to end by themselves after one exits with an error
 _PR_SET_PDEATHSIG = 1
@@ -96,7 +96,7 @@ def launch(command: Sequence[str], n: int, devices_per_process: int | None = Non
         raise UserError(f"-n {n}: the number of processes must be at least 1")
     if not command or command[0] not in MULTI_PROCESS_COMMANDS:
         raise UserError(f"jaxgpt launch runs {', '.join(MULTI_PROCESS_COMMANDS)} (e.g. jaxgpt launch -n 2 -- "
-                         "train --out runs/a); eval, generate and sweep run in one process")
+                         "train --out runs/a); eval and generate run in one process")
     port = free_port()
     environ = os.environ if environ is None else environ
     procs: list[subprocess.Popen] = []

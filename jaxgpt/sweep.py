@@ -26,12 +26,14 @@ warmup_steps, weight_decay, beta1, beta2, muon_lr) form a group and train togeth
 axis of the train state, the batch, the optimiser hyperparameters (`jaxgpt.optim.OptHParams`,
 traced) and the seed. Each member's init key, batches, dropout keys and updates are those
 `jaxgpt.train.train` would use for that member's config, through the same `train_step`, so a
-member equals its single run to float rounding. Groups (architecture variants, say) run one after
-another, each compiled once, on one device (`train.parallel` is not used).
+member equals its single run to float rounding. A group's members are spread over every device
+of the job (`jaxgpt.sweep_mesh`: the member axis over a "members" mesh axis, each member's batch
+rows over the devices left, `train.parallel` and `train.fsdp` unused); groups (architecture
+variants, say) run one after another, each compiled once, each on all the devices.
 
 The output folder holds `results.jsonl` (one record per member: variant, seed, the variant's
-overrides, config_sha256, final val_loss / val_bits_per_byte / train_loss, the eval curve, and the
-wall time of its group, whose members train together; rewritten after each group, so a rerun
+overrides, config_sha256, final val_loss / val_bits_per_byte / train_loss, the eval curve, the
+devices its group trained on and the wall time of that group, whose members train together; rewritten after each group, so a rerun
 skips the members already there with the same config), `results.md` (a table per variant: mean
 val bits per byte, seed spread as max − min, gap to the baseline, verdict, and the reference's
 figures beside them) and `val_loss.png`
@@ -49,20 +51,20 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import numpy as np
 from tqdm.auto import tqdm
 
+from jaxgpt import distributed
 from jaxgpt.config import SWEEP, ConfigError, RunConfig, TrainConfig, keys_with, load_config, read_toml
 from jaxgpt.data import RunData, eval_summary, prepare_data, train_batch, val_batch
 from jaxgpt.errors import UserError
-from jaxgpt.kernels import choose_kernels
-from jaxgpt.model import count_params
 from jaxgpt.optim import OptHParams
 from jaxgpt.rundir import write_atomic
-from jaxgpt.step import TrainState, eval_step, init_state, train_step
+from jaxgpt.step import TrainState
+from jaxgpt.sweep_mesh import GroupPrograms, group_mesh, layout_for
 from jaxgpt.sweep_report import write_report
 
 SWEEP_KEYS = ("base", "seeds", "set", "reference", "variant")
@@ -244,6 +246,7 @@ class GroupResult:
     train_loss: list[float]  # per member, at the last step
     wall_s: float  # the whole group, compiling included
     compile_s: float  # from the start to the first step's result: init, trace, compile, one step
+    devices: int  # the devices the group trained on
 
 
 def stack_hparams(configs: list[TrainConfig]) -> OptHParams:
@@ -254,8 +257,9 @@ def stack_hparams(configs: list[TrainConfig]) -> OptHParams:
 
 
 def train_group(runs: list[Member], data: RunData, *, progress: bool = True, desc: str = "",
-                traces: Counter[str] | None = None) -> GroupResult:
-    """Train the members of one group together: one vmapped, jitted step for all of them.
+                traces: Counter[str] | None = None, devices: Sequence[jax.Device] | None = None) -> GroupResult:
+    """Train the members of one group together: one vmapped, jitted step for all of them, the
+    members spread over `devices` (default: every device of the job; `jaxgpt.sweep_mesh`).
 
     `traces`, when given, counts how often the train and eval steps are traced (once per group).
     """
@@ -265,36 +269,34 @@ def train_group(runs: list[Member], data: RunData, *, progress: bool = True, des
         raise UserError("members of a group may differ only in " + ", ".join(VMAPPED_KEYS))
     started = time.perf_counter()
     seeds = [m.seed for m in runs]
-    hparams = stack_hparams([m.config.train for m in runs])
-    seeds_M = np.array(seeds, np.int32)
-
-    def member_step(state, batch_BW, hp, seed):
-        traces["train"] += 1
-        return train_step(cfg, state, batch_BW, hparams=hp, seed=seed)
-
-    def member_eval(params, batch_BW):
-        traces["eval"] += 1
-        return eval_step(cfg, params, batch_BW)
-
-    options = choose_kernels(cfg.model).jit_options()
-    step_fn = jax.jit(jax.vmap(member_step), donate_argnums=0, compiler_options=options)
-    eval_fn = jax.jit(jax.vmap(member_eval), compiler_options=options)
+    layout = layout_for(cfg, len(runs), devices)
+    programs = GroupPrograms(cfg, group_mesh(layout, devices), len(runs), on_trace=lambda kind: traces.update([kind]))
+    hparams = OptHParams(*map(programs.constant, stack_hparams([m.config.train for m in runs])))
+    seeds_M = programs.constant(np.array(seeds, np.int32))
     # As train() does: the state of a run with train.seed s starts from jax.random.key(s).
-    state = jax.vmap(lambda key: init_state(cfg, key))(jax.vmap(jax.random.key)(seeds_M))
+    state = programs.init(seeds_M)
+    by_seed: dict[tuple[str, int, int], np.ndarray] = {}  # members sharing a seed share batches
 
-    def stacked(batch_of_seed) -> np.ndarray:  # [M, B, W]; members sharing a seed share batches
-        by_seed = {seed: batch_of_seed(seed) for seed in dict.fromkeys(seeds)}
-        return np.stack([by_seed[seed] for seed in seeds])
+    def stacked(kind: str, index: int) -> jax.Array:
+        def rows_of(m: int) -> np.ndarray:
+            key = (kind, index, seeds[m])
+            if key not in by_seed:
+                make = train_batch if kind == "train" else val_batch
+                by_seed[key] = make(cfg, data, index, seeds[m], whole=True)  # the rows a process needs: sweep_mesh
+            return by_seed[key]
+        batch = programs.batch(rows_of)
+        if kind == "train":
+            by_seed.clear()
+        return batch
 
-    val_batches = [stacked(lambda seed, i=i: val_batch(cfg, data, i, seed)) for i in range(cfg.train.eval_batches)]
+    val_batches = [stacked("val", i) for i in range(cfg.train.eval_batches)]
     evals: list[list[dict[str, float]]] = [[] for _ in runs]
     total = cfg.train.steps
     metrics: dict[str, Any] = {}
     shown: dict[str, str] = {}  # the progress bar's postfix: mean train loss and mean val loss
     with tqdm(total=total, desc=desc, unit="step", dynamic_ncols=True, disable=not progress) as bar:
         for step in range(total):
-            state, metrics = step_fn(state, stacked(lambda seed: train_batch(cfg, data, step, seed)),
-                                     hparams, seeds_M)
+            state, metrics = programs.step(state, stacked("train", step), hparams, seeds_M)
             done = step + 1
             if step == 0:
                 jax.block_until_ready(metrics)
@@ -303,7 +305,7 @@ def train_group(runs: list[Member], data: RunData, *, progress: bool = True, des
                 shown["loss"] = f"{np.nanmean(jax.device_get(metrics['loss'])):.4f}"
                 bar.set_postfix(shown, refresh=False)
             if done % cfg.train.eval_every == 0 or done == total:
-                losses_IM = np.asarray(jax.device_get([eval_fn(state.params, b) for b in val_batches]))
+                losses_IM = np.asarray(jax.device_get([programs.evaluate(state.params, b) for b in val_batches]))
                 for m in range(len(runs)):
                     evals[m].append({"step": done, **eval_summary(losses_IM[:, m], data)})
                 shown["val_loss"] = f"{np.nanmean(losses_IM):.4f}"
@@ -311,7 +313,7 @@ def train_group(runs: list[Member], data: RunData, *, progress: bool = True, des
             bar.update(1)
     train_loss = [float(x) for x in jax.device_get(metrics["loss"])]
     jax.block_until_ready(state)
-    return GroupResult(state, evals, train_loss, time.perf_counter() - started, compile_s)
+    return GroupResult(state, evals, train_loss, time.perf_counter() - started, compile_s, layout.devices)
 
 
 def member_record(member: Member, result: GroupResult, index: int, parameters: int) -> dict[str, Any]:
@@ -321,7 +323,7 @@ def member_record(member: Member, result: GroupResult, index: int, parameters: i
             "parameters": parameters, "val_loss": final["val_loss"],
             "val_bits_per_byte": final["val_bits_per_byte"], "train_loss": result.train_loss[index],
             "evals": [{k: e[k] for k in ("step", "val_loss", "val_bits_per_byte")} for e in result.evals[index]],
-            "group_members": len(result.train_loss), "wall_s": round(result.wall_s, 2),
+            "group_members": len(result.train_loss), "devices": result.devices, "wall_s": round(result.wall_s, 2),
             "compile_s": round(result.compile_s, 2)}
 
 
@@ -342,20 +344,27 @@ def _read_results(path: Path) -> list[dict[str, Any]]:
 
 
 def run_sweep(sweep: Sweep, out_dir: str | Path, *, progress: bool = True,
-              traces: Counter[str] | None = None) -> list[dict[str, Any]]:
+              traces: Counter[str] | None = None, devices: Sequence[jax.Device] | None = None
+              ) -> list[dict[str, Any]]:
     """Train every member not already in out_dir/results.jsonl; write the results; return the records.
 
     A member counts as done when a record with its variant, seed and config sha256 is there;
     records of runs the sweep no longer has are dropped when the file is rewritten. `traces`: as
-    in `train_group`, summed over the groups.
+    in `train_group`, summed over the groups. `devices`: those each group spreads over (default:
+    every device of the job). On many processes (`jaxgpt launch -n N -- sweep ...`) every process
+    runs this; process 0 alone prepares the data first and writes the results.
     """
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    writer = distributed.is_writer()
+    if writer:
+        out.mkdir(parents=True, exist_ok=True)
     results = out / "results.jsonl"
     runs = members(sweep)
     previous = {(r.get("variant"), r.get("seed"), r.get("config_sha256")): r for r in _read_results(results)}
+    distributed.barrier("sweep-read-results")  # every process has read the file before it is rewritten
     done: dict[tuple, dict[str, Any]] = {_key(m): previous[_key(m)] for m in runs if _key(m) in previous}
     groups = group_members([m for m in runs if _key(m) not in done])
+    progress = progress and writer
     if done and progress:
         print(f"{len(done)} of {len(runs)} members already in {results}; running the other "
               f"{len(runs) - len(done)}", file=sys.stderr)
@@ -364,16 +373,19 @@ def run_sweep(sweep: Sweep, out_dir: str | Path, *, progress: bool = True,
         cfg = group[0].config
         data_key = (cfg.data, cfg.model.vocab_size, cfg.model.context_length, cfg.model.mtp_depth)
         if data_key not in data_cache:
-            data_cache[data_key] = prepare_data(cfg, out)
+            data_cache[data_key] = distributed.writer_first(lambda: prepare_data(cfg, out), f"sweep-data-{number}")
         names = ", ".join(dict.fromkeys(m.variant for m in group))
         desc = f"group {number}/{len(groups)} [{names}] x{len(group)}"
-        result = train_group(group, data_cache[data_key], progress=progress, desc=desc, traces=traces)
-        parameters = count_params(jax.tree_util.tree_map(lambda leaf: leaf[0], result.state.params))
+        result = train_group(group, data_cache[data_key], progress=progress, desc=desc, traces=traces,
+                             devices=devices)
+        parameters = sum(int(np.prod(leaf.shape[1:])) for leaf in jax.tree_util.tree_leaves(result.state.params))
         for index, member in enumerate(group):
             done[_key(member)] = member_record(member, result, index, parameters)
-        ordered = [done[_key(m)] for m in runs if _key(m) in done]
-        write_atomic(results, "".join(json.dumps(r) + "\n" for r in ordered))
-        write_report(sweep, ordered, out)
+        if writer:
+            ordered = [done[_key(m)] for m in runs if _key(m) in done]
+            write_atomic(results, "".join(json.dumps(r) + "\n" for r in ordered))
+            write_report(sweep, ordered, out)
     records = [done[_key(m)] for m in runs]
-    write_report(sweep, records, out)
+    if writer:
+        write_report(sweep, records, out)
     return records

@@ -145,6 +145,16 @@ def _wait_for(predicate, what: str, launcher: subprocess.Popen, limit_s: float =
         time.sleep(0.2)
 
 
+def kill_process_one(log: Path, launcher: subprocess.Popen) -> tuple[int, float]:
+    """SIGKILL the launched process 1 (its pid from the launcher's log): the launcher's exit code
+    and how long it took to end after the loss."""
+    pids = log.read_text().split("(pids ", 1)[1].split(")", 1)[0].split(", ")
+    os.kill(int(pids[1]), signal.SIGKILL)
+    lost_at = time.monotonic()
+    code = launcher.wait(timeout=RUN_TIMEOUT_S)
+    return code, time.monotonic() - lost_at
+
+
 def test_a_lost_process_stops_the_others_and_sigterm_stops_all_cleanly(tmp_path):
     corpus, cache, run = write_corpus(tmp_path / "corpus.txt"), tmp_path / "cache", tmp_path / "run"
     log = tmp_path / "launch.log"
@@ -154,11 +164,7 @@ def test_a_lost_process_stops_the_others_and_sigterm_stops_all_cleanly(tmp_path)
                                     stdout=subprocess.DEVNULL, stderr=err)
     try:
         _wait_for(lambda: (run / "checkpoints" / str(EVERY)).is_dir(), "first checkpoint", launcher)
-        pids = log.read_text().split("(pids ", 1)[1].split(")", 1)[0].split(", ")
-        os.kill(int(pids[1]), signal.SIGKILL)
-        lost_at = time.monotonic()
-        code = launcher.wait(timeout=RUN_TIMEOUT_S)
-        stopped_s = time.monotonic() - lost_at
+        code, stopped_s = kill_process_one(log, launcher)
     finally:
         launcher.kill()
     text = log.read_text()
@@ -193,7 +199,7 @@ def test_process_env_names_the_coordinator_and_the_devices():
     assert (env["JAX_NUM_PROCESSES"], env["JAX_PROCESS_ID"], env["JAX_PLATFORMS"]) == ("2", "1", "cpu")
     assert env["XLA_FLAGS"] == "--xla_foo=1 --xla_force_host_platform_device_count=4"
     assert exit_code(-signal.SIGKILL) == 137 and exit_code(3) == 3
-    with pytest.raises(ValueError, match="eval, generate and sweep run in one process"):
+    with pytest.raises(ValueError, match="eval and generate run in one process"):
         launch(["eval", "--run", "runs/a"], 2)
 
 

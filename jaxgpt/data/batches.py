@@ -76,21 +76,25 @@ def _checked(batch: np.ndarray, vocab_size: int, split: str) -> np.ndarray:
     return batch
 
 
-def train_batch(cfg: RunConfig, data: RunData, step: int, seed: int) -> np.ndarray:
-    """This process's rows of the train batch of `step` for a run with train.seed = `seed`."""
+def train_batch(cfg: RunConfig, data: RunData, step: int, seed: int, *, whole: bool = False) -> np.ndarray:
+    """This process's rows of the train batch of `step` for a run with train.seed = `seed` (with
+    `whole`, every row: a sweep's processes hold whole members, not row blocks of each)."""
     batch = get_batch(data.tokens.train, seed=seed, step=step, stream=TRAIN_STREAM,
-                      batch_size=cfg.train.batch_size, window=window_length(cfg.model), **_process_slice())
+                      batch_size=cfg.train.batch_size, window=window_length(cfg.model), **_process_slice(whole))
     return _checked(batch, cfg.model.vocab_size, "train")
 
 
-def val_batch(cfg: RunConfig, data: RunData, index: int, seed: int) -> np.ndarray:
-    """This process's rows of val batch `index` (the same batches at every eval)."""
+def val_batch(cfg: RunConfig, data: RunData, index: int, seed: int, *, whole: bool = False) -> np.ndarray:
+    """This process's rows of val batch `index` (the same batches at every eval); `whole`: as in
+    `train_batch`."""
     batch = get_batch(data.tokens.val, seed=seed, step=index, stream=VAL_STREAM, batch_size=cfg.train.batch_size,
-                      window=window_length(cfg.model), split="val", **_process_slice())
+                      window=window_length(cfg.model), split="val", **_process_slice(whole))
     return _checked(batch, cfg.model.vocab_size, "val")
 
 
-def _process_slice() -> dict[str, int]:
+def _process_slice(whole: bool = False) -> dict[str, int]:
+    if whole:
+        return {"process_index": 0, "process_count": 1}
     import jax  # here, not at the top: preparing data and reading batches need no JAX
 
     return {"process_index": jax.process_index(), "process_count": jax.process_count()}

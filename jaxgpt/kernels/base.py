@@ -52,30 +52,32 @@ class Kernels:
     # XLA options for the programs that run these kernels (`jax.jit(compiler_options=...)`): the
     # backend's measured defaults, as (name, value) pairs.
     compiler_options: tuple[tuple[str, Any], ...] = ()
-    # The attention for a program whose batch is split over a device mesh: (mesh) -> attention.
+    # The attention for a program whose batch is split over a device mesh: (mesh, the mesh axes the
+    # batch rows are split over) -> attention.
     # For kernels XLA cannot partition (Pallas), which must run per device inside `shard_map`.
     # None: `attention` as it is, partitioned by XLA.
-    mesh_attention: Callable[[Any], Callable[..., Any]] | None = None
+    mesh_attention: Callable[[Any, tuple[str, ...]], Callable[..., Any]] | None = None
 
     def jit_options(self) -> dict[str, Any] | None:
         """`compiler_options` as `jax.jit` takes them."""
         return dict(self.compiler_options) or None
 
-    def on_mesh(self, mesh: Any) -> Kernels:
-        """These kernels for a program whose batch rows are split over every axis of `mesh`."""
+    def on_mesh(self, mesh: Any, batch_axes: tuple[str, ...] | None = None) -> Kernels:
+        """These kernels for a program whose batch rows are split over `batch_axes` of `mesh`
+        (default: every axis; a sweep's members, vmapped over another axis, take the rest)."""
         if self.mesh_attention is None:
             return self
-        return dataclasses.replace(self, attention=self.mesh_attention(mesh))
+        return dataclasses.replace(self, attention=self.mesh_attention(mesh, batch_axes or tuple(mesh.axis_names)))
 
 
-def per_device(attend: Callable[..., Any], mesh: Any) -> Callable[..., Any]:
-    """`attend(q, k, v)` run by each device on its rows of the batch, split over every axis of
-    `mesh`: for a kernel XLA's partitioner cannot split (Pallas), or splits wrongly (cuDNN's
+def per_device(attend: Callable[..., Any], mesh: Any, axes: tuple[str, ...] | None = None) -> Callable[..., Any]:
+    """`attend(q, k, v)` run by each device on its rows of the batch, split over `axes` of `mesh`
+    (default: all; under `vmap(..., spmd_axis_name=A)` the vmapped axis goes over A): for a kernel XLA's partitioner cannot split (Pallas), or splits wrongly (cuDNN's
     attention under FSDP: its partitioner asks an internal [1, 1, 4, 1, 2] array to divide by 8)."""
     import jax
     from jax.sharding import PartitionSpec
 
-    spec = PartitionSpec(tuple(mesh.axis_names))
+    spec = PartitionSpec(tuple(axes or mesh.axis_names))
     if hasattr(jax, "shard_map"):  # jax 0.6.1 on; before, only the experimental one
         return jax.shard_map(attend, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec, check_vma=False)
     from jax.experimental.shard_map import shard_map

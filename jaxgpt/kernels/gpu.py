@@ -24,14 +24,14 @@ from jaxgpt.kernels.head_loss import mean_head_loss
 
 
 def attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, *, train: bool = False,
-              remat: bool = False, mesh: Any = None) -> jax.Array:
+              remat: bool = False, mesh: Any = None, axes: tuple[str, ...] | None = None) -> jax.Array:
     """cuDNN's attention in 16-bit dtypes (with `mesh`, run per device on its rows: cuDNN's own
     partitioner fails under FSDP), XLA's in float32."""
     if q_BTHD.dtype not in (jnp.bfloat16, jnp.float16):  # cuDNN's flash kernel has no float32
         return xla.attention(q_BTHD, k_BTKD, v_BTKD)
     attend = functools.partial(jax.nn.dot_product_attention, is_causal=True, implementation="cudnn")
-    return (attend if mesh is None else per_device(attend, mesh))(q_BTHD, k_BTKD, v_BTKD)
+    return (attend if mesh is None else per_device(attend, mesh, axes))(q_BTHD, k_BTKD, v_BTKD)
 
 
 KERNELS = dataclasses.replace(xla.KERNELS, name="gpu", attention=attention, head_loss=mean_head_loss,
-                              mesh_attention=lambda mesh: functools.partial(attention, mesh=mesh))
+                              mesh_attention=lambda mesh, axes: functools.partial(attention, mesh=mesh, axes=axes))

@@ -104,13 +104,13 @@ def splash_attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, *,
 
 def attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, *, train: bool = False,
               remat: bool = False, interpret: bool = False, max_block: int = MAX_BLOCK,
-              mesh: Any = None) -> jax.Array:
+              mesh: Any = None, axes: tuple[str, ...] | None = None) -> jax.Array:
     """Splash attention from `SPLASH_MIN_CONTEXT` positions on, else XLA's; with `mesh`, each
     device runs the kernel on its share of the batch. `train` and `remat` change nothing here."""
     if q_BTHD.shape[1] < SPLASH_MIN_CONTEXT:
         return xla.attention(q_BTHD, k_BTKD, v_BTKD)
     attend = functools.partial(splash_attention, interpret=interpret, max_block=max_block)
-    return (attend if mesh is None else per_device(attend, mesh))(q_BTHD, k_BTKD, v_BTKD)
+    return (attend if mesh is None else per_device(attend, mesh, axes))(q_BTHD, k_BTKD, v_BTKD)
 
 
 @functools.lru_cache(maxsize=None)
@@ -119,7 +119,7 @@ def kernels(interpret: bool = False, max_block: int = MAX_BLOCK) -> Kernels:
     attend = functools.partial(attention, interpret=interpret, max_block=max_block)
     return dataclasses.replace(
         xla.KERNELS, name="tpu-interpret" if interpret else "tpu", attention=attend, head_loss=mean_head_loss,
-        mesh_attention=lambda mesh: functools.partial(attend, mesh=mesh))
+        mesh_attention=lambda mesh, axes: functools.partial(attend, mesh=mesh, axes=axes))
 
 
 KERNELS = kernels()

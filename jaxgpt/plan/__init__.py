@@ -25,7 +25,8 @@ from jaxgpt.errors import UserError
 from jaxgpt.plan.report import HEADROOM, PROGRAMS
 from jaxgpt.plan.targets import Target, known_names, target
 
-__all__ = ["HEADROOM", "PROGRAMS", "Target", "known_names", "largest_fitting_batch", "plan", "plans", "target"]
+__all__ = ["HEADROOM", "PROGRAMS", "Target", "known_names", "largest_fitting_batch", "plan", "plan_groups", "plans",
+           "target"]
 
 
 def plan(cfg: RunConfig, target_name: str | None = None, *, fit: bool | int = False,
@@ -57,6 +58,26 @@ def plans(cfgs: Sequence[RunConfig], target_name: str | None = None, *, fit: boo
     requests = [{"config": cfg.to_dict(), "fit": fit, "programs": list(programs), "headroom": headroom}
                 for cfg in cfgs]
     return run_worker(requests, spec, echo)
+
+
+def plan_groups(groups: Sequence[tuple[RunConfig, int]], target_name: str | None = None, *,
+                headroom: float = HEADROOM, echo: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+    """Each sweep group's plan ((its shared config, its member count): `jaxgpt.sweep_mesh`) on the
+    target called `target_name`, in one compile process, or on this machine's devices (None): its
+    layout, per-chip memory and `fits`; {"error": ...} or {"failure": ...} as in `plans`."""
+    if target_name is None:
+        import jax
+
+        from jaxgpt.plan.programs import device_memory_bytes
+        from jaxgpt.plan.report import plan_group_on
+
+        device_bytes = device_memory_bytes(jax.local_devices()[0])
+        return [{"target": None, **plan_group_on(cfg, members, jax.devices(), device_bytes, headroom)}
+                for cfg, members in groups]
+    from jaxgpt.plan.compilers import run_worker
+
+    requests = [{"config": cfg.to_dict(), "members": members, "headroom": headroom} for cfg, members in groups]
+    return run_worker(requests, target(target_name), echo)
 
 
 def _plan_here(cfg: RunConfig, *, fit: bool | int, programs: Sequence[str], headroom: float) -> dict[str, Any]:

@@ -89,6 +89,20 @@ def _programs(cfg: RunConfig, mesh: Any, device_bytes: int | None, programs: Seq
     return record
 
 
+def plan_group_on(cfg: RunConfig, n_members: int, devices: Sequence[jax.Device], device_bytes: int | None,
+                  headroom: float = HEADROOM) -> dict[str, Any]:
+    """A sweep group's train step (`n_members` members of `cfg`, `jaxgpt.sweep_mesh`) compiled for
+    `devices`: its layout, per-device memory and whether it fits `headroom` of `device_bytes`."""
+    from jaxgpt.sweep_mesh import compile_group
+
+    compiled = {**compile_group(cfg, n_members, devices), "device_bytes": device_bytes}
+    total = compiled.get("total_bytes")
+    fits = (None if device_bytes is None else
+            not _refused(compiled) and total is not None and total <= headroom * device_bytes)
+    return {"kernels": choose_kernels(cfg.model).name, "members": n_members, "devices": compiled.pop("devices"),
+            "compiled": compiled, "fits": fits}
+
+
 def _refused(compiled: dict[str, Any]) -> bool:
     """Whether the compiler refused any of the programs for memory."""
     return any("refused" in figures for figures in (compiled, compiled.get("eval", {}), compiled.get("decode", {})))
