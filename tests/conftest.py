@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from jaxgpt import compile_cache
+
 
 @pytest.fixture(autouse=True)
 def _private_token_cache(tmp_path_factory, monkeypatch):
@@ -30,14 +32,17 @@ def _private_token_cache(tmp_path_factory, monkeypatch):
 
 @pytest.fixture(scope="session", autouse=True)
 def _shared_compile_cache(tmp_path_factory):
-    """One compiled-program cache (jaxgpt.compile_cache) for the whole run: pytest-xdist's workers,
-    and the processes the tests start, load the programs another compiled instead of compiling them
-    again. It lives in the run's temporary root, never the user's cache. Tests that check compiling
-    or caching give their processes folders of their own."""
+    """One compiled-program cache (jaxgpt.compile_cache) for the processes the tests start, across
+    pytest-xdist's workers: they load the programs another compiled instead of compiling them
+    again. It lives in the run's temporary root, never the user's cache. The workers themselves
+    keep nothing on disk: JAX's in-memory caches serve their own repeats, and writing every program
+    cost them more than the few loads it gave (docs/performance.md). Tests that check compiling or
+    caching give their processes folders of their own."""
     root = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         root = root.parent  # the run's folder, above the workers' own
     os.environ["JAX_COMPILATION_CACHE_DIR"] = str(root / "xla-cache")
+    compile_cache.disable()
     yield
 
 

@@ -143,14 +143,23 @@ def generate_stats(run: Path, cache: Path, tokens: int) -> dict:
 
 
 def test_generate_stats_keeps_the_compile_out_of_tokens_per_s(uncached, tmp_path):
-    _, run, _, _ = uncached
-    cold = generate_stats(run, tmp_path / "xla", 40)
-    generate_stats(run, tmp_path / "xla", 200)
-    warm = generate_stats(run, tmp_path / "xla", 200)
-    assert cold["tokens"] == 40 and warm["tokens"] == 200
-    assert cold["first_token_s"] > 0 and warm["first_token_s"] > 0
-    # The cold call's compiles are in its first token, not in its decoding speed.
-    assert warm["tokens_per_s"] / 3 <= cold["tokens_per_s"] <= warm["tokens_per_s"] * 3, (cold, warm)
+    # A model whose tokens cost more than a chunk's fixed cost (a tiny one's decoding is all overhead).
+    corpus, run = uncached[0], tmp_path / "run"
+    train(corpus, run, None, "model.d_model=128", "model.n_layers=2", "model.n_heads=4", "model.context_length=64",
+          "train.sample_tokens=0")
+    generate_stats(run, tmp_path / "warm", 200)
+    warm = generate_stats(run, tmp_path / "warm", 200)
+    assert warm["tokens"] == 200 and warm["first_token_s"] > 0
+    # The cold call's compiles are in its first token, not in its decoding speed (with them, it is
+    # tens of times slower). Its decoding is 24 tokens in two chunks, milliseconds that a process
+    # descheduled once can double: up to three cold starts, each on an empty cache, until one holds.
+    for attempt in range(3):
+        cold = generate_stats(run, tmp_path / f"cold-{attempt}", 40)
+        assert cold["tokens"] == 40 and cold["first_token_s"] > 0
+        if warm["tokens_per_s"] / 3 <= cold["tokens_per_s"] <= warm["tokens_per_s"] * 3:
+            break
+    else:
+        raise AssertionError(f"cold {cold}, warm {warm}")
 
 
 def test_bench_startup_prints_cold_and_warm_starts(tmp_path):
