@@ -61,6 +61,7 @@ from jaxgpt import distributed
 from jaxgpt.config import SWEEP, ConfigError, RunConfig, TrainConfig, keys_with, load_config, read_toml
 from jaxgpt.data import RunData, eval_summary, prepare_data, train_batch, val_batch
 from jaxgpt.errors import UserError
+from jaxgpt.model import count_params
 from jaxgpt.optim import OptHParams
 from jaxgpt.rundir import write_atomic
 from jaxgpt.step import TrainState
@@ -275,19 +276,16 @@ def train_group(runs: list[Member], data: RunData, *, progress: bool = True, des
     seeds_M = programs.constant(np.array(seeds, np.int32))
     # As train() does: the state of a run with train.seed s starts from jax.random.key(s).
     state = programs.init(seeds_M)
-    by_seed: dict[tuple[str, int, int], np.ndarray] = {}  # members sharing a seed share batches
 
     def stacked(kind: str, index: int) -> jax.Array:
+        make = train_batch if kind == "train" else val_batch
+        by_seed: dict[int, np.ndarray] = {}  # members sharing a seed share batches
+
         def rows_of(m: int) -> np.ndarray:
-            key = (kind, index, seeds[m])
-            if key not in by_seed:
-                make = train_batch if kind == "train" else val_batch
-                by_seed[key] = make(cfg, data, index, seeds[m], whole=True)  # the rows a process needs: sweep_mesh
-            return by_seed[key]
-        batch = programs.batch(rows_of)
-        if kind == "train":
-            by_seed.clear()
-        return batch
+            if seeds[m] not in by_seed:  # whole batches: a process holds whole members (sweep_mesh)
+                by_seed[seeds[m]] = make(cfg, data, index, seeds[m], whole=True)
+            return by_seed[seeds[m]]
+        return programs.batch(rows_of)
 
     val_batches = [stacked("val", i) for i in range(cfg.train.eval_batches)]
     evals: list[list[dict[str, float]]] = [[] for _ in runs]
@@ -378,7 +376,8 @@ def run_sweep(sweep: Sweep, out_dir: str | Path, *, progress: bool = True,
         desc = f"group {number}/{len(groups)} [{names}] x{len(group)}"
         result = train_group(group, data_cache[data_key], progress=progress, desc=desc, traces=traces,
                              devices=devices)
-        parameters = sum(int(np.prod(leaf.shape[1:])) for leaf in jax.tree_util.tree_leaves(result.state.params))
+        parameters = count_params(jax.tree_util.tree_map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype),
+                                                         result.state.params))  # one member's, from shapes alone
         for index, member in enumerate(group):
             done[_key(member)] = member_record(member, result, index, parameters)
         if writer:
