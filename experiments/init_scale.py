@@ -6,7 +6,7 @@ on them no model can beat ln V, so the numbers measure only what the init does t
 loss and how long AdamW takes to undo it. For each init it records
 
   * the initial loss: mean next-token cross-entropy of the fresh model on 4 held-out batches;
-  * the first `steps` (100) AdamW updates with `jaxgpt.step.compile_steps` / `init_state`, on a
+  * the first `steps` (100) AdamW updates with `jaxgpt.train.step.compile_steps` / `init_state`, on a
     fixed, seeded stream of batches (`jaxgpt.data.get_batch` over one random-token array),
     config `load_config(None, [train.steps=100, train.batch_size=8, train.warmup_steps=10, ...])`.
 
@@ -32,7 +32,7 @@ import numpy as np
 from jaxgpt.config import load_config
 from jaxgpt.data import get_batch
 from jaxgpt.data import window_length
-from jaxgpt.step import compile_steps, init_state
+from jaxgpt.train.step import compile_steps, init_state
 
 STDS = (1.0, 0.02)
 TOKEN_SEED = 1234

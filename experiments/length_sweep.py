@@ -37,15 +37,15 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from jaxgpt.checkpoint import load_run
+from jaxgpt.train.checkpoint import load_run
 from jaxgpt.config import ModelConfig, RunConfig, load_config
 from jaxgpt.data import prepare_data
-from jaxgpt.metrics import read_metrics
-from jaxgpt.model import count_params
-from jaxgpt.rundir import RunDir
-from jaxgpt.step import depth_losses
-from jaxgpt.sweep import load_sweep
-from jaxgpt.train import train
+from jaxgpt.runs.metrics import read_metrics
+from jaxgpt.model.decoder import count_params
+from jaxgpt.runs.rundir import RunDir
+from jaxgpt.train.step import depth_losses
+from jaxgpt.tools.sweep import load_sweep
+from jaxgpt.train.loop import train
 
 GRID = Path(__file__).resolve().parent / "octlm_day2.toml"
 POSITIONS = ("sinusoidal", "rope")

@@ -7,7 +7,6 @@ filled in) is what runs, what is saved beside a run and what the sha256 fingerpr
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import hashlib
 import json
 import math
@@ -16,7 +15,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from jaxgpt.errors import UserError
+from jaxgpt.errors import UserError, did_you_mean
 
 
 class ConfigError(UserError):
@@ -50,7 +49,7 @@ IDENTITY = "identity"  # in the fingerprint: part of what a run computes and rec
 RESUME = "resume"  # free on --resume: how long a run goes, how often it reports, how it is laid out
 FORCE = "force"  # accepted by --resume --force (never the model, the tokenizer or the optimiser)
 INIT_FROM = "init_from"  # free on --init-from HF_DIR: the function the weights compute stays theirs
-SWEEP = "sweep"  # varied between the members of one vmapped sweep group (jaxgpt.sweep)
+SWEEP = "sweep"  # varied between the members of one vmapped sweep group (jaxgpt.tools.sweep)
 ROLES = (IDENTITY, RESUME, FORCE, INIT_FROM, SWEEP)
 
 REMAT_POLICIES = ("none", "dots", "full")
@@ -256,6 +255,10 @@ class RunConfig:
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
 
+    def replace(self, section: str, **values: Any) -> RunConfig:
+        """This config with `values` changed in one section ("model", "data" or "train"), checked again."""
+        return dataclasses.replace(self, **{section: dataclasses.replace(getattr(self, section), **values)})
+
     def fingerprint(self, exclude: tuple[str, ...] = ()) -> str:
         """sha256 of the resolved config's IDENTITY keys; `exclude` drops `section.key` entries
         (`keys_with(RESUME)`: what a resumed run may change)."""
@@ -304,11 +307,6 @@ def _toml_value(value: Any) -> str:
     return json.dumps(value)  # a JSON string is a valid TOML basic string
 
 
-def _nearest(name: str, candidates: list[str]) -> str:
-    match = difflib.get_close_matches(name, candidates, n=1, cutoff=0.5)
-    return f" (did you mean {match[0]!r}?)" if match else ""
-
-
 _KIND_NAMES = {"int": "an integer", "float": "a number", "str": "a string", "bool": "true or false"}
 
 
@@ -344,7 +342,7 @@ def build_config(raw: dict[str, Any]) -> RunConfig:
     sections: dict[str, Any] = {}
     for section, values in raw.items():
         if section not in SECTIONS:
-            raise ConfigError(f"unknown config section {section!r}{_nearest(section, list(SECTIONS))}")
+            raise ConfigError(f"unknown config section {section!r}{did_you_mean(section, list(SECTIONS))}")
         if not isinstance(values, dict):
             raise ConfigError(f"config section [{section}] must be a table")
         known = {f.name: f for f in fields(SECTIONS[section])}
@@ -352,7 +350,7 @@ def build_config(raw: dict[str, Any]) -> RunConfig:
         for key, value in values.items():
             if key not in known:
                 raise ConfigError(
-                    f"unknown config key {section}.{key}{_nearest(key, list(known))}"
+                    f"unknown config key {section}.{key}{did_you_mean(key, list(known))}"
                 )
             if value is None:
                 continue
@@ -389,6 +387,6 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     for item in overrides:
         section, key, value = _parse_override(item)
         if section not in SECTIONS:
-            raise ConfigError(f"unknown config section {section!r}{_nearest(section, list(SECTIONS))}")
+            raise ConfigError(f"unknown config section {section!r}{did_you_mean(section, list(SECTIONS))}")
         raw.setdefault(section, {})[key] = value
     return build_config(raw)

@@ -7,7 +7,7 @@ step) against `jax.nn.dot_product_attention` and, when torch is installed, PyTor
     .venv/bin/python scripts/bench_attention.py --shape 32,128,4,32    # Day 1
 
 Prints one JSON line per implementation with the median milliseconds of `--repeats` timed runs
-(`jaxgpt.bench.median_time`). Torch uses as many threads as the machine has cores, as XLA does.
+(`jaxgpt.tools.bench.median_time`). Torch uses as many threads as the machine has cores, as XLA does.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import os
 import jax
 import jax.numpy as jnp
 
-from jaxgpt.bench import median_time
 from jaxgpt.config import ModelConfig
 from jaxgpt.kernels import PORTABLE, choose_kernels
+from jaxgpt.tools.bench import median_time
 
 
 def jax_timings(B: int, T: int, H: int, D: int, repeats: int) -> dict[str, float]:

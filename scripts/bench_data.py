@@ -68,8 +68,8 @@ def write_corpus(folder: Path, size: int, seed: int = 0) -> int:
 
 def train_tokenizer(corpus: Path, out: Path) -> Path:
     from jaxgpt.data.sources import open_source
+    from jaxgpt.data.tokenizer import train_bpe
     from jaxgpt.data.tokenizer_cache import sample_texts
-    from jaxgpt.tokenizer import train_bpe
 
     tokenizer = train_bpe(sample_texts(open_source(str(corpus), 0.1), SAMPLE_BYTES), VOCAB)
     return tokenizer.save(out)
@@ -117,7 +117,7 @@ if kind == "hf":
     encode = lambda texts: [e.ids for e in tokenizer.encode_batch_fast(texts, add_special_tokens=False)]
     eot = tokenizer.token_to_id("<|endoftext|>")
 else:
-    from jaxgpt.encoding import tiktoken_encoding
+    from jaxgpt.data.encoding import tiktoken_encoding
     encoding = tiktoken_encoding(config)
     threads = os.cpu_count()
     encode = lambda texts: encoding.encode_batch(texts, num_threads=threads, allowed_special="all")

@@ -35,11 +35,12 @@ import jax
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from jaxgpt import harness  # noqa: E402
 from jaxgpt.config import load_config  # noqa: E402
-from jaxgpt.hf_export import export_hf  # noqa: E402
-from jaxgpt.model import init_params  # noqa: E402
-from jaxgpt.tokenizer import Tokenizer, train_bpe  # noqa: E402
+from jaxgpt.data.tokenizer import Tokenizer, train_bpe  # noqa: E402
+from jaxgpt.evaluation import harness  # noqa: E402
+from jaxgpt.evaluation import tasks as tasks_module  # noqa: E402
+from jaxgpt.hf.exporter import export_hf  # noqa: E402
+from jaxgpt.model.decoder import init_params  # noqa: E402
 
 # Pseudo-words of one to three syllables: enough distinct pairs for a BPE of the Day 1 vocabulary.
 SYLLABLES = [c + v for c in "bcdfghklmnprstvw" for v in "aeiou"]
@@ -94,7 +95,7 @@ class Timed:
 def measure(lm, timed: Timed, names, manager, limit) -> dict:
     timed.requests, timed.seconds = 0, 0.0
     started = time.perf_counter()
-    results = harness.run_tasks(lm, names, manager=manager, limit=limit, bootstrap_iters=0, quiet=True)
+    results = tasks_module.run_tasks(lm, names, manager=manager, limit=limit, bootstrap_iters=0, quiet=True)
     wall = time.perf_counter() - started
     return {"requests": timed.requests, "requests_per_s": round(timed.requests / timed.seconds, 1),
             "task_s": round(wall, 2), "results": {t: {k: v for k, v in m.items() if k.endswith(",none")}
@@ -119,7 +120,7 @@ def main() -> None:
         parser.error("--tasks needs --run: a real task on a trained model")
     folder = Path(tempfile.mkdtemp(prefix="bench-harness-"))
     if args.run:
-        from jaxgpt.checkpoint import load_run
+        from jaxgpt.train.checkpoint import load_run
 
         names, include_path = args.tasks.split(",") if args.tasks else ["bench_choice"], args.include_path
         cfg, params = load_run(args.run)
@@ -136,7 +137,7 @@ def main() -> None:
         params = init_params(cfg, jax.random.key(0))
     tokenizer = Tokenizer.load(tokenizer_path)
     export_hf(cfg, params, folder / "hf", tokenizer=tokenizer_path)
-    manager = harness.task_manager(names, include_path)
+    manager = tasks_module.task_manager(names, include_path)
 
     compiles = []
     jax.monitoring.register_event_duration_secs_listener(

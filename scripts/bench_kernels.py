@@ -8,14 +8,13 @@ At the Day 1 config (experiments/day1.toml: 2 layers x 128, T 128, B 32) and at 
 `portable` (`model.kernels = "xla"`), and `plain_flax`, the same model written here the way a
 Flax user would write it (nn.Embed, nn.LayerNorm, nn.Dense, nn.dot_product_attention with a
 causal mask, the embedding's attend as the tied head, optax adamw), then the tuned/plain and
-portable/plain step-time ratios. Each step is timed by `jaxgpt.bench.median_time`, the three
+portable/plain step-time ratios. Each step is timed by `jaxgpt.tools.bench.median_time`, the three
 interleaved over `--rounds` rounds so that a neighbour's load falls on all of them.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 from pathlib import Path
@@ -25,10 +24,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxgpt.bench import median_time
 from jaxgpt.config import ModelConfig, RunConfig, load_config
 from jaxgpt.kernels import choose_kernels
-from jaxgpt.step import compile_steps, init_state, window_length
+from jaxgpt.tools.bench import median_time
+from jaxgpt.train.step import compile_steps, init_state, window_length
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPES = {
@@ -119,7 +118,7 @@ def timed_steps(cfg: RunConfig) -> dict[str, callable]:
 
 
 def _with_kernels(cfg: RunConfig, kernels: str) -> RunConfig:
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, kernels=kernels))
+    return cfg.replace("model", kernels=kernels)
 
 
 def main() -> None:

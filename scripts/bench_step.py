@@ -23,8 +23,8 @@ import jax.numpy as jnp
 
 from jaxgpt.config import load_config
 from jaxgpt.kernels import choose_kernels
-from jaxgpt.model import forward
-from jaxgpt.step import compile_steps, init_state, window_length
+from jaxgpt.model.decoder import forward
+from jaxgpt.train.step import compile_steps, init_state, window_length
 
 
 def _time(fn, args, iters: int, repeats: int) -> tuple[float, float]:
@@ -84,7 +84,7 @@ def _measure(mode: str, cfg, batch: jax.Array, tokens: int, args: argparse.Names
         fn = jax.jit(lambda p, x: forward(p, model, x[:, :model.context_length], kernels=kernels))
         call_args = (state.params, batch)
     elif mode == "grad":
-        from jaxgpt.step import depth_losses
+        from jaxgpt.train.step import depth_losses
         fn = jax.jit(jax.grad(lambda p, x: depth_losses(p, model, x)[0]))
         call_args = (state.params, batch)
     else:

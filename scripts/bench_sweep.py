@@ -5,9 +5,9 @@ with --devices, one sweep on several device counts.
     python scripts/bench_sweep.py --devices 1,8 [--seeds 8] [--target v5e-8]
 
 Prints one JSON object. Every time includes compiling. Three ways to train the same N members:
-  vmapped_s            jaxgpt.sweep.train_group on all N at once (one compile)
+  vmapped_s            jaxgpt.tools.sweep.train_group on all N at once (one compile)
   sequential_group_s   the same function on one member at a time (N compiles), isolating what vmap buys
-  sequential_train_s   N jaxgpt.train.train calls, what N `jaxgpt train` runs cost (each also loads
+  sequential_train_s   N jaxgpt.train.loop.train calls, what N `jaxgpt train` runs cost (each also loads
                        the corpus, writes metrics and a final checkpoint)
 The data (corpus, tokenizer, token files) is prepared once before the timings (`prepare_s`;
 each train() call repeats that loading, counted in sequential_train_s). On a shared machine the
@@ -15,7 +15,7 @@ load changes under a benchmark: `--rounds R` runs the three ways in turn R times
 round and the medians (the ratios are of the medians).
 
 `--devices 1,8`: a sweep of three variants (the baseline, an optimiser variant that shares its
-group, RMSNorm in a group of its own) × `--seeds` trained by `jaxgpt.sweep.run_sweep` on the first
+group, RMSNorm in a group of its own) × `--seeds` trained by `jaxgpt.tools.sweep.run_sweep` on the first
 1, then 8 devices (on a CPU, `--xla_force_host_platform_device_count` devices, set here): each
 group's wall time and layout per count, and the largest relative difference of a member's val loss
 from the first count's. Fake CPU devices share the machine's cores, so their times say how much
@@ -26,7 +26,6 @@ compiled for that chip (`jaxgpt.plan.plan_groups`): its layout and memory a chip
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import re
@@ -59,12 +58,12 @@ def main() -> int:
 
     from jaxgpt.config import load_config
     from jaxgpt.data import prepare_data
-    from jaxgpt.runtime import make_runtime
-    from jaxgpt.sweep import Member, train_group
-    from jaxgpt.train import train
+    from jaxgpt.train.runtime import make_runtime
+    from jaxgpt.tools.sweep import Member, train_group
+    from jaxgpt.train.loop import train
 
     cfg = load_config(args.config, DEFAULT_SET + args.overrides)
-    runs = [Member("bench", (), dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seed=seed)))
+    runs = [Member("bench", (), cfg.replace("train", seed=seed))
             for seed in range(args.seeds)]
     tokens = cfg.train.steps * cfg.train.batch_size * cfg.model.context_length
     times: dict[str, list[float]] = {"vmapped_s": [], "sequential_group_s": [], "sequential_train_s": []}
@@ -122,7 +121,7 @@ def devices_axis(args: argparse.Namespace) -> int:
     import jaxgpt  # noqa: F401  (before jax: an absent GPU's plugin stays quiet)
     import jax
 
-    from jaxgpt.sweep import group_members, load_sweep, members, run_sweep, shared_config
+    from jaxgpt.tools.sweep import group_members, load_sweep, members, run_sweep, shared_config
 
     with tempfile.TemporaryDirectory() as tmp:
         sweep_file = Path(tmp) / "devices.toml"
@@ -167,7 +166,7 @@ def concurrent_groups(sweep, devices: list, tmp: Path) -> dict:
     import threading
 
     from jaxgpt.data import prepare_data
-    from jaxgpt.sweep import group_members, members, train_group
+    from jaxgpt.tools.sweep import group_members, members, train_group
 
     groups = group_members(members(sweep))
     share = len(devices) // len(groups)

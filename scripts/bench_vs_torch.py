@@ -5,7 +5,7 @@
     .venv/bin/python scripts/bench_vs_torch.py --dtype bfloat16     # jaxgpt bf16 vs torch.autocast bf16
 
 Same model (GPT-2 layout: learned positions, pre-LayerNorm, GELU-tanh, tied head, biases), same
-initial weights (jaxgpt's, exported with `jaxgpt.hf_export.export_hf`), same batches, same AdamW (lr,
+initial weights (jaxgpt's, exported with `jaxgpt.hf.exporter.export_hf`), same batches, same AdamW (lr,
 betas, eps, weight decay on the kernels only, global-norm clipping; constant lr on both sides).
 PyTorch runs eagerly on the CPU with as many threads as XLA uses (all cores). The two alternate
 in rounds of `--steps` steps each, so both see the same machine load; every step is timed to its
@@ -28,12 +28,12 @@ import time
 import jax
 import numpy as np
 
-from jaxgpt.bench import peak_flops
-from jaxgpt.cli import hugepage_malloc_env
+from jaxgpt.cli.main import hugepage_malloc_env
 from jaxgpt.config import load_config
-from jaxgpt.hf_export import export_hf
-from jaxgpt.metrics import flops_per_token, mfu
-from jaxgpt.step import compile_steps, init_state
+from jaxgpt.hf.exporter import export_hf
+from jaxgpt.model.flops import flops_per_token, mfu
+from jaxgpt.tools.bench import peak_flops
+from jaxgpt.train.step import compile_steps, init_state
 
 CONFIGS = {
     "day1": ["train.batch_size=32"],

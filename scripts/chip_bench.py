@@ -24,15 +24,15 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from jaxgpt.bench import median_time, nominal_bf16_peak  # noqa: E402
 from jaxgpt.config import RunConfig, load_config  # noqa: E402
 from jaxgpt.data import window_length  # noqa: E402
-from jaxgpt.generate import generate  # noqa: E402
+from jaxgpt.evaluation.generate import generate  # noqa: E402
 from jaxgpt.kernels import PORTABLE, Kernels  # noqa: E402
-from jaxgpt.metrics import flops_per_token  # noqa: E402
-from jaxgpt.model import init_params  # noqa: E402
+from jaxgpt.model.decoder import init_params  # noqa: E402
+from jaxgpt.model.flops import flops_per_token  # noqa: E402
 from jaxgpt.plan.programs import memory_figures  # noqa: E402
-from jaxgpt.step import init_state, train_step  # noqa: E402
+from jaxgpt.tools.bench import median_time, nominal_bf16_peak  # noqa: E402
+from jaxgpt.train.step import init_state, train_step  # noqa: E402
 
 CONFIG = ROOT / "experiments/gpt2_124m.toml"
 SMOKE = ["model.vocab_size=256", "model.context_length=64", "model.d_model=64", "model.n_layers=2",

@@ -71,7 +71,11 @@ def child_programs(shape: str) -> dict[str, str]:
 
     from jaxgpt.config import load_config
     from jaxgpt.model import forward, forward_cached, init_cache, init_params
-    from jaxgpt.step import compile_steps, init_state, window_length
+
+    try:  # this tree, or an older one with its modules side by side
+        from jaxgpt.train.step import compile_steps, init_state, window_length
+    except ImportError:
+        from jaxgpt.step import compile_steps, init_state, window_length
 
     import jaxgpt
 
@@ -122,17 +126,22 @@ def compare_programs(old: Path) -> bool:
 
 def child_bench(config: str, overrides: list[str], repeats: int) -> list[dict]:
     """`jaxgpt bench train`'s records with the backend's kernels, in the tree on PYTHONPATH."""
-    from jaxgpt.bench import _with, train_record
+    import dataclasses
+
+    try:  # this tree, or an older one with its modules side by side
+        from jaxgpt.tools.bench import train_record
+    except ImportError:
+        from jaxgpt.bench import train_record
     from jaxgpt.config import load_config
 
     cfg = load_config(config, overrides)
-    return [train_record(_with(cfg, remat=remat, dtype=dtype), repeats)
+    return [train_record(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, remat=remat, dtype=dtype)), repeats)
             for remat in (False, True) for dtype in ("float32", "bfloat16")]
 
 
 def bench_train(tree: Path, config: str, overrides: list[str], repeats: int) -> dict[tuple, float]:
     """step_ms by (dtype, remat), timed in a process of `tree` started as the `jaxgpt` command starts."""
-    from jaxgpt.cli import hugepage_malloc_env
+    from jaxgpt.cli.main import hugepage_malloc_env
 
     args = [__file__, "--bench-child", config, "--repeats", str(repeats)]
     for item in overrides:

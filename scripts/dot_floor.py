@@ -25,10 +25,10 @@ import jax
 import jax.extend
 import jax.numpy as jnp
 
-from jaxgpt.bench import median_time
 from jaxgpt.config import load_config
 from jaxgpt.data import window_length
-from jaxgpt.step import compile_steps, init_state
+from jaxgpt.tools.bench import median_time
+from jaxgpt.train.step import compile_steps, init_state
 
 DotKey = tuple[tuple[int, ...], tuple[int, ...], Any, str]
 

@@ -42,11 +42,13 @@ import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from chip_bench import (CONFIG, ROOT, SMOKE, Records, Variant, decode_records as chip_decode_records,  # noqa: E402
-                        stored_params, table as chip_table, time_train_step, variant_kernels, versions)
+from chip_bench import CONFIG, ROOT, SMOKE, Records, Variant, stored_params, time_train_step, variant_kernels, versions  # noqa: E402
+from chip_bench import decode_records as chip_decode_records
+from chip_bench import table as chip_table
+
 from jaxgpt.config import load_config  # noqa: E402
 from jaxgpt.kernels import choose_kernels  # noqa: E402
-from jaxgpt.model import unstack_blocks  # noqa: E402
+from jaxgpt.model.decoder import unstack_blocks  # noqa: E402
 
 COMMAND_BUFFERS = "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE"
 PACKAGES = ("orbax-checkpoint", "chex", "torch", "transformers")

@@ -112,9 +112,9 @@ def cell(record: dict | None) -> str:
 
 
 def table(records: dict[tuple, dict], models: list[str], targets: list[str]) -> str:
-    import jax
-
     import importlib.metadata
+
+    import jax
 
     lines = [
         "# What fits a chip",

@@ -8,7 +8,7 @@
 # Usage: scripts/shakespeare_race.sh TINYSHAKESPEARE.txt TORCH_SCRIPT.py [SEEDS (default "0 1 2")]
 # (TORCH_SCRIPT prints val_loss=... and needs `pip install torch==2.13.0`.)
 set -euo pipefail
-# The malloc setting the `jaxgpt` command gives itself (jaxgpt/cli.py, hugepage_malloc_env), for
+# The malloc setting the `jaxgpt` command gives itself (jaxgpt/cli/main.py, hugepage_malloc_env), for
 # every run here, PyTorch's included.
 export GLIBC_TUNABLES=${GLIBC_TUNABLES-glibc.malloc.hugetlb=1}
 data=${1:?path to tinyshakespeare.txt}

@@ -10,7 +10,7 @@ autocast, `torch.compile`, flash scaled-dot-product attention, fused AdamW (lr 6
 0.95, weight decay 0.1 on matrices), global-norm clipping at 1.0, TF32 matmuls, random tokens.
 Each step is timed with CUDA events after the warm-up steps (which hold the compile); prints one
 JSON record: step_ms (median), tokens_per_s, mfu against the nominal bf16 peak (same FLOP count
-as `jaxgpt.metrics.flops_per_token`), compile_s (the first step), peak memory. On a CPU it runs
+as `jaxgpt.model.flops.flops_per_token`), compile_s (the first step), peak memory. On a CPU it runs
 float32 eagerly (for checking the script, not for figures).
 """
 
@@ -66,7 +66,7 @@ class GPT(nn.Module):
 
 
 def flops_per_token(L: int, C: int, T: int, V: int) -> float:
-    """6 N + 12 L C T with N the matmul weights (attention, MLP, head), as `jaxgpt.metrics.flops_per_token`."""
+    """6 N + 12 L C T with N the matmul weights (attention, MLP, head), as `jaxgpt.model.flops.flops_per_token`."""
     return 6 * (L * 12 * C * C + V * C) + 12 * L * C * T
 
 

@@ -29,8 +29,19 @@ import jax
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from chip_bench import (CONFIG, SMOKE, Records, Variant, decode_records, stored_params, table,  # noqa: E402
-                        time_train_step, variant_kernels, versions)
+from chip_bench import (  # noqa: E402
+    CONFIG,
+    SMOKE,
+    Records,
+    Variant,
+    decode_records,
+    stored_params,
+    table,
+    time_train_step,
+    variant_kernels,
+    versions,
+)
+
 from jaxgpt.config import load_config  # noqa: E402
 from jaxgpt.kernels import choose_kernels  # noqa: E402
 from jaxgpt.plan.programs import device_memory_bytes  # noqa: E402

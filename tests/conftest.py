@@ -3,9 +3,9 @@ import os
 # Tests run on the host CPU with eight fake devices (for the multi-device tests); the flags must be
 # set before JAX is imported anywhere. The tests' models are tiny, so compiling dominates their
 # time. LLVM's optimisation level 0 and XLA's classic CPU fusion emitter in place of the MLIR one
-# cut a tiny train step's compile from 7.5 s to 0.7 s (the HLO passes, and so the programs'
-# structure, are unchanged; both flags exist in jaxlib 0.10). Processes a test starts take the same
-# flags (`xla_flags`), so their numbers match this process's bit for bit.
+# make a small train step compile faster (figures: docs/performance.md, "The test suite's compiles");
+# the HLO passes, and so the programs' structure, are unchanged. Processes a test starts take the
+# same flags (`xla_flags`), so their numbers match this process's bit for bit.
 FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 
 
@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxgpt import compile_cache
+from jaxgpt.process import compile_cache
 
 
 @pytest.fixture(autouse=True)
@@ -32,7 +32,7 @@ def _private_token_cache(tmp_path_factory, monkeypatch):
 
 @pytest.fixture(scope="session", autouse=True)
 def _shared_compile_cache(tmp_path_factory):
-    """One compiled-program cache (jaxgpt.compile_cache) for the processes the tests start, across
+    """One compiled-program cache (jaxgpt.process.compile_cache) for the processes the tests start, across
     pytest-xdist's workers: they load the programs another compiled instead of compiling them
     again. It lives in the run's temporary root, never the user's cache. The workers themselves
     keep nothing on disk: JAX's in-memory caches serve their own repeats, and writing every program

@@ -10,13 +10,13 @@ import types
 import jax
 import pytest
 
-from jaxgpt import bench
-from jaxgpt.cli import main
+from jaxgpt.cli.main import main
 from jaxgpt.config import ModelConfig, load_config
-from jaxgpt.generate import generate
+from jaxgpt.evaluation.generate import generate
 from jaxgpt.kernels import choose_kernels
-from jaxgpt.metrics import flops_per_token
-from jaxgpt.model import init_params
+from jaxgpt.model.decoder import init_params
+from jaxgpt.model.flops import flops_per_token
+from jaxgpt.tools import bench
 
 TINY = ["model.vocab_size=64", "model.context_length=64", "model.d_model=32", "model.n_layers=2",
         "model.n_heads=2", "train.batch_size=4"]
@@ -149,7 +149,7 @@ def test_no_attention_probe_swaps_the_attention_alone() -> None:
     import jax.numpy as jnp
 
     from jaxgpt.kernels import PORTABLE
-    from jaxgpt.model import forward
+    from jaxgpt.model.decoder import forward
 
     cfg = load_config(None, TINY)
     params = init_params(cfg.model, jax.random.key(0))

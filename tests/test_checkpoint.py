@@ -15,13 +15,13 @@ import numpy as np
 import pytest
 from conftest import xla_flags
 
-import jaxgpt.train as train_module
-from jaxgpt.checkpoint import Checkpointer, load_run, load_run_config
-from jaxgpt.cli import main
+import jaxgpt.train.loop as train_module
+from jaxgpt.cli.main import main
 from jaxgpt.config import load_config
-from jaxgpt.metrics import read_metrics
-from jaxgpt.runtime import Runtime
-from jaxgpt.step import init_state
+from jaxgpt.runs.metrics import read_metrics
+from jaxgpt.train.checkpoint import Checkpointer, load_run, load_run_config
+from jaxgpt.train.runtime import Runtime
+from jaxgpt.train.step import init_state
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 24
@@ -458,7 +458,7 @@ def test_a_restore_whose_reads_fail_together_logs_none_of_their_errors(caplog):
 
     from orbax.checkpoint._src.asyncio_utils import run_sync
 
-    from jaxgpt.checkpoint import _loops_that_finish_their_tasks
+    from jaxgpt.train.checkpoint import _loops_that_finish_their_tasks
 
     async def read(turns: int) -> None:
         for _ in range(turns):  # each read fails a turn of the loop later than the one before

@@ -8,13 +8,13 @@ import shutil
 import jax
 import numpy as np
 import pytest
-
-import jaxgpt.train as train_module
-from jaxgpt.checkpoint import Checkpointer, Damaged, StateMismatch, load_run, load_run_config
-from jaxgpt.cli import main
-from jaxgpt.state_layout import NotCarried, carry_over, leaf_names
-from jaxgpt.step import init_state
 from test_checkpoint import OVERRIDES, config, write_corpus
+
+import jaxgpt.train.loop as train_module
+from jaxgpt.cli.main import main
+from jaxgpt.train.checkpoint import Checkpointer, Damaged, StateMismatch, load_run, load_run_config
+from jaxgpt.train.state_layout import NotCarried, carry_over, leaf_names
+from jaxgpt.train.step import init_state
 
 STEPS = ["train.steps=8"]
 

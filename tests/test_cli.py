@@ -5,7 +5,7 @@ import argparse
 
 import pytest
 
-from jaxgpt.cli import build_parser, main
+from jaxgpt.cli.main import build_parser, main
 
 COMMANDS = ("dry-run", "train", "eval", "generate", "bench", "sweep", "import-hf", "export-hf")
 
@@ -51,7 +51,7 @@ def test_generate_help_shows_every_default(capsys, monkeypatch):
 
 
 def _failing(monkeypatch, error):
-    import jaxgpt.cli as cli
+    import jaxgpt.cli.main as cli
 
     def command(args):
         raise error

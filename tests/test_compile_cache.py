@@ -1,4 +1,4 @@
-"""The compiled-program cache (jaxgpt.compile_cache): on by default, never a failed or noisy run,
+"""The compiled-program cache (jaxgpt.process.compile_cache): on by default, never a failed or noisy run,
 reused by the next process, never reused by a changed program; and the start measured
 (`bench startup`, `generate --stats`). Every test here starts its processes on a cache folder of
 its own, never the suite's shared one."""
@@ -14,7 +14,7 @@ from conftest import xla_flags
 from jaxgpt_lines import foreign_lines
 from test_train import write_corpus
 
-from jaxgpt import compile_cache
+from jaxgpt.process import compile_cache
 
 ROOT = Path(__file__).resolve().parents[1]
 SETS = ["model.context_length=32", "model.d_model=32", "model.n_heads=2", "model.n_layers=1",

@@ -1,14 +1,14 @@
 """Config: defaults, TOML and overrides, validation messages, fingerprints."""
 
-import subprocess
-import sys
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from jaxgpt.cli import main
+from jaxgpt.cli.main import main
 from jaxgpt.config import ConfigError, DataConfig, ModelConfig, RunConfig, TrainConfig, build_config, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,10 +63,9 @@ def test_remat_names_a_policy_and_takes_true_and_false_as_before(tmp_path):
 def test_every_key_declares_its_roles_once_and_the_rules_read_them():
     from dataclasses import fields
 
-    from jaxgpt.config import (FORCE, IDENTITY, INIT_FROM, RESUME, ROLES, SECTIONS, SWEEP, all_keys, keys_with,
-                               roles_of)
-    from jaxgpt.optim import OptHParams
-    from jaxgpt.sweep import VMAPPED_KEYS
+    from jaxgpt.config import FORCE, IDENTITY, INIT_FROM, RESUME, ROLES, SECTIONS, SWEEP, all_keys, keys_with, roles_of
+    from jaxgpt.tools.sweep import VMAPPED_KEYS
+    from jaxgpt.train.optim import OptHParams
 
     for section, cls in SECTIONS.items():
         for f in fields(cls):
@@ -229,7 +228,7 @@ def test_committed_run_configs_load(path):
 
 
 def test_hugepage_malloc_applies_to_glibc_linux_only(monkeypatch):
-    from jaxgpt import cli
+    from jaxgpt.cli import main as cli
 
     monkeypatch.setattr(cli.sys, "platform", "linux")
     monkeypatch.setattr(cli.platform, "libc_ver", lambda: ("glibc", "2.36"))
@@ -246,7 +245,7 @@ def test_hugepage_malloc_applies_to_glibc_linux_only(monkeypatch):
 
 
 def test_console_entry_reruns_itself_once_with_the_tunable(monkeypatch):
-    from jaxgpt import cli
+    from jaxgpt.cli import main as cli
 
     class Exec(Exception):
         pass

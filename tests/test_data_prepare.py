@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 from conftest import xla_flags
 
-from jaxgpt.cli import main
+from jaxgpt.cli.main import main
 from jaxgpt.config import load_config
-from jaxgpt.data import in_val_split, open_source, prepare_data, prepare as prepare_module, sources
-from jaxgpt.data.shards import HEADER_BYTES, ShardWriter, header, open_shard
-from jaxgpt.encoding import HF, TIKTOKEN
-from jaxgpt.tokenizer import Tokenizer
+from jaxgpt.data import in_val_split, open_source, prepare_data, sources
+from jaxgpt.data import prepare as prepare_module
+from jaxgpt.data.encoding import HF, TIKTOKEN
+from jaxgpt.data.shards import HEADER_BYTES, ShardWriter
 
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = ["the", "cat", "sat", "on", "a", "mat", "and", "dog", "ran", "to", "it", "was", "red", "naïve", "🙂"]
@@ -332,7 +332,7 @@ def test_a_preparation_killed_mid_way_continues_to_the_same_bytes(big, tmp_path)
 
 def test_a_killed_encoding_worker_is_one_line_exit_1_and_the_rerun_continues(big, tmp_path) -> None:
     def kill_a_worker(process):
-        workers = subprocess.run(["pgrep", "-P", str(process.pid), "-f", "jaxgpt.encoding"], capture_output=True,
+        workers = subprocess.run(["pgrep", "-P", str(process.pid), "-f", "jaxgpt.data.encoding"], capture_output=True,
                                  text=True).stdout.split()
         assert workers, "no encoding worker found"
         os.kill(int(workers[0]), signal.SIGKILL)  # as the kernel's OOM killer does
@@ -362,7 +362,7 @@ def test_two_processes_preparing_one_store_take_turns_and_read_the_same_bytes(bi
 
 def test_sigint_stops_a_preparation_in_one_line_and_a_rerun_finishes_it(prepared, corpus, tmp_path,
                                                                        monkeypatch, capsys) -> None:
-    from jaxgpt import signals
+    from jaxgpt.process import signals
 
     folder, _ = corpus
     monkeypatch.setenv("JAXGPT_CACHE", str(tmp_path / "cache"))
@@ -422,7 +422,7 @@ def test_slow_stages_say_what_they_do_with_a_progress_bar(corpus, tmp_path, monk
 
 def test_a_tokenizer_that_tiktoken_differs_from_falls_back_with_one_line(corpus, prepared, tmp_path,
                                                                         monkeypatch, capsys) -> None:
-    from jaxgpt import encoding
+    from jaxgpt.data import encoding
 
     folder, _ = corpus
     real = encoding.Encoder.ids
@@ -469,7 +469,7 @@ def test_a_preparation_that_dies_between_a_shard_and_its_ledger_ends_the_same(th
         for partial in [*store.glob("*.partial"), store / finished[-1]]:
             partial.unlink()
     monkeypatch.setattr(prepare_module._Split, "_finish_shard", real)
-    from jaxgpt import encoding
+    from jaxgpt.data import encoding
 
     encode, encoded = encoding.Encoder.encode, []
     monkeypatch.setattr(encoding.Encoder, "encode",

@@ -13,7 +13,7 @@ import pytest
 from jaxgpt.data import sources
 from jaxgpt.data.documents import listing_changes
 from jaxgpt.data.sources import open_source
-from jaxgpt.tokenizer import build_tokenizer
+from jaxgpt.data.tokenizer import build_tokenizer
 
 
 def held_out(name: str, val_fraction: float) -> bool:

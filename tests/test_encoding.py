@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxgpt.encoding import HF, TIKTOKEN, Encoder, Workers, tiktoken_encoding
-from jaxgpt.tokenizer import EOT, build_tokenizer
+from jaxgpt.data.encoding import HF, TIKTOKEN, Encoder, Workers, tiktoken_encoding
+from jaxgpt.data.tokenizer import EOT, build_tokenizer
 
 CORPUS = [
     "def main():\n    print('hello, world')\n\n\nif __name__ == '__main__':\n    main()\n",

@@ -10,14 +10,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxgpt import generate as generate_module
 from jaxgpt.config import ModelConfig, RunConfig, TrainConfig
-from jaxgpt.generate import (FINISHED, bucket_length, generate, generate_tokens, sample_logits,
-                             slide_length)
-from jaxgpt.kernels import choose_kernels
-from jaxgpt.model import forward, init_params
 from jaxgpt.data import window_length
-from jaxgpt.step import compile_steps, init_state
+from jaxgpt.evaluation import generate as generate_module
+from jaxgpt.evaluation.generate import FINISHED, bucket_length, generate, generate_tokens, sample_logits, slide_length
+from jaxgpt.kernels import choose_kernels
+from jaxgpt.model.decoder import forward, init_params
+from jaxgpt.train.step import compile_steps, init_state
 
 # init_std 0.3 sharpens the random model's logits, so greedy choices are far from float ties and
 # its output wanders instead of settling on one repeated token.
@@ -39,7 +38,7 @@ def _forward(params, cfg, tokens_BT):
 def naive_greedy(cfg: ModelConfig, prompt: list[int], n: int) -> tuple[list[int], int]:
     """Greedy by calling `forward` on the whole window each step, no cache; also counts slides.
 
-    The window is the rule generate.py documents (a prompt holds at most context_length tokens):
+    The window is the rule jaxgpt/evaluation/generate.py documents (a prompt holds at most context_length tokens):
     when the window would exceed context_length it restarts from the sequence's last
     context_length // 2 tokens. Until the first slide the window is the whole sequence, so this is
     then exactly the plain, uncropped greedy loop.

@@ -6,7 +6,6 @@ and metric for metric; train.eval_tasks logs at the steps asked across a crash a
 import contextlib
 import io
 import json
-import math
 import os
 import subprocess
 import sys
@@ -18,13 +17,15 @@ from conftest import xla_flags
 from test_metrics import read_scalars
 from test_train import write_corpus
 
-import jaxgpt.harness as harness
-import jaxgpt.scoring as scoring
-import jaxgpt.train as train_module
-from jaxgpt.checkpoint import load_run
-from jaxgpt.cli import main
+import jaxgpt.evaluation.harness as harness
+import jaxgpt.evaluation.scoring as scoring
+import jaxgpt.evaluation.tasks as tasks_module
+import jaxgpt.train.loop as train_module
+from jaxgpt.cli.main import main
 from jaxgpt.config import load_config
-from jaxgpt.metrics import read_metrics
+from jaxgpt.data.tokenizer import Tokenizer
+from jaxgpt.runs.metrics import read_metrics
+from jaxgpt.train.checkpoint import load_newest
 
 ROOT = Path(__file__).resolve().parents[1]
 TASKS = ROOT / "experiments" / "tasks"
@@ -61,7 +62,7 @@ def trained(offline, tmp_path_factory):
     folder = tmp_path_factory.mktemp("harness")
     corpus, run, hf_dir = write_corpus(folder / "corpus.txt"), folder / "run", folder / "hf"
     cfg = load_config(None, [*SETS, f"data.source={json.dumps(str(corpus))}"])
-    real_run, ran = harness.TrainingTasks.run, []
+    real_run, ran = tasks_module.TrainingTasks.run, []
 
     def killed_at_8(self, params, model, step):
         ran.append(step)
@@ -70,14 +71,16 @@ def trained(offline, tmp_path_factory):
         return real_run(self, params, model, step)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(harness.TrainingTasks, "run", killed_at_8)
+        patch.setattr(tasks_module.TrainingTasks, "run", killed_at_8)
         with pytest.raises(Killed):
             train_module.train(cfg, run, progress=False)
         train_module.train(cfg, run, resume=True, progress=False)
     with contextlib.redirect_stdout(io.StringIO()):
         assert main(["export-hf", "--run", str(run), "--out", str(hf_dir)]) == 0
     records = read_metrics(run / "metrics.jsonl")
-    ours = harness.HarnessLM.from_run(run, progress=False)  # the batch size training used: its compiled shapes
+    cfg, params, step = load_newest(run)
+    # The batch size training used: its compiled shapes.
+    ours = harness.HarnessLM(cfg, params, Tokenizer.load(run / "tokenizer.json"), progress=False, step=step)
     theirs = HFLM(pretrained=str(hf_dir), device="cpu", dtype="float32", batch_size=harness.DEFAULT_BATCH_SIZE)
     assert ours.text_tokenizer.vocab_size == ours.cfg.vocab_size  # one softmax over the same ids in both
     return run, records, ours, theirs, ran
@@ -153,8 +156,8 @@ def test_task_metrics_equal_the_hf_backends(trained):
     generation (exact match), through the harness's own evaluator on both backends."""
     _, _, ours, theirs, _ = trained
     names = [CHOICE, ROLLING, UNTIL]
-    manager = harness.task_manager(names, TASKS)
-    got, want = (harness.run_tasks(lm, names, manager=manager, bootstrap_iters=0)["results"] for lm in (ours, theirs))
+    manager = tasks_module.task_manager(names, TASKS)
+    got, want = (tasks_module.run_tasks(lm, names, manager=manager, bootstrap_iters=0)["results"] for lm in (ours, theirs))
     for task, metrics in ((CHOICE, ("acc", "acc_norm")), (UNTIL, ("exact_match",)),
                           (ROLLING, ("word_perplexity", "byte_perplexity", "bits_per_byte"))):
         for metric in metrics:
@@ -190,11 +193,11 @@ def test_a_task_whose_file_is_missing_stops_training_before_its_first_step(offli
 
 def test_a_process_other_than_the_writer_waits_and_runs_nothing(trained, monkeypatch):
     _, _, ours, _, _ = trained
-    tasks = harness.TrainingTasks(load_config(None, SETS).train, ours.text_tokenizer)
+    tasks = tasks_module.TrainingTasks(load_config(None, SETS).train, ours.text_tokenizer)
     waited = []
-    monkeypatch.setattr(harness.distributed, "is_writer", lambda: False)
-    monkeypatch.setattr(harness.distributed, "wait_for_writer", waited.append)
-    monkeypatch.setattr(harness, "run_tasks", lambda *args, **kwargs: pytest.fail("only the writer runs tasks"))
+    monkeypatch.setattr(tasks_module.distributed, "is_writer", lambda: False)
+    monkeypatch.setattr(tasks_module.distributed, "wait_for_writer", waited.append)
+    monkeypatch.setattr(tasks_module, "run_tasks", lambda *args, **kwargs: pytest.fail("only the writer runs tasks"))
     assert tasks.run(ours.params, ours.cfg, 4) == {"type": "eval_tasks", "step": 4}
     assert waited == ["jaxgpt-eval-tasks-4"]
 
@@ -243,7 +246,7 @@ def test_a_run_without_a_checkpoint_is_one_line(offline, tmp_path, capsys):
 
 def test_without_the_harness_eval_names_the_extra(trained, monkeypatch, capsys):
     run, _, _, _, _ = trained
-    monkeypatch.delitem(sys.modules, "jaxgpt.harness")
+    monkeypatch.delitem(sys.modules, "jaxgpt.evaluation.harness")
     monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None if name == "lm_eval" else object())
     assert main(["eval", "--run", str(run), "--tasks", CHOICE]) == 2
     err = capsys.readouterr().err
@@ -258,7 +261,7 @@ class Without(importlib.machinery.PathFinder):
     def find_spec(cls, name, path=None, target=None):
         return None if name.partition(".")[0] in ("torch", "transformers") else super().find_spec(name, path, target)
 sys.meta_path[sys.meta_path.index(importlib.machinery.PathFinder)] = Without
-from jaxgpt.cli import main
+from jaxgpt.cli.main import main
 sys.exit(main(sys.argv[1:]))
 """
 

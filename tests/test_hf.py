@@ -7,19 +7,18 @@ import io
 import json
 import shutil
 
+import jax
 import numpy as np
 import pytest
-
 import torch
 import transformers
 
-import jax
-
 from jaxgpt.config import ModelConfig
-from jaxgpt.generate import generate
-from jaxgpt.hf import import_hf, import_hf_run
-from jaxgpt.hf_export import export_hf
-from jaxgpt.model import forward, init_params
+from jaxgpt.evaluation.generate import generate
+from jaxgpt.hf.exporter import export_hf
+from jaxgpt.hf.importer import import_hf
+from jaxgpt.model.decoder import forward, init_params
+from jaxgpt.train.imported import import_hf_run
 
 VOCAB = 100
 TOL = 1e-4
@@ -190,7 +189,7 @@ def test_unexportable_configs(tmp_path, options, option):
 
 
 def test_import_run_loads(tmp_path):
-    from jaxgpt.checkpoint import load_run
+    from jaxgpt.train.checkpoint import load_run
 
     path = _llama(tmp_path / "hf", tie_word_embeddings=False)
     cfg, params = import_hf(path)
@@ -203,8 +202,8 @@ def test_import_run_loads(tmp_path):
 
 
 def test_cli_import_generate_export(tmp_path, capsys):
-    from jaxgpt.cli import main
-    from jaxgpt.tokenizer import Tokenizer, build_char
+    from jaxgpt.cli.main import main
+    from jaxgpt.data.tokenizer import Tokenizer, build_char
 
     hf_dir = _gpt2(tmp_path / "hf")
     build_char(["abcdefghijklmnopqrstuvwxyz \n"], VOCAB).save(hf_dir / "tokenizer.json")
@@ -231,9 +230,9 @@ def test_cli_import_generate_export(tmp_path, capsys):
 
 
 def test_train_init_from_fine_tunes_and_resumes(tmp_path, capsys):
-    from jaxgpt.checkpoint import load_run
-    from jaxgpt.cli import main
-    from jaxgpt.tokenizer import build_char
+    from jaxgpt.cli.main import main
+    from jaxgpt.data.tokenizer import build_char
+    from jaxgpt.train.checkpoint import load_run
 
     hf_dir = _gpt2(tmp_path / "hf")
     build_char(["abcdefghijklmnopqrstuvwxyz \n"], VOCAB).save(hf_dir / "tokenizer.json")
@@ -270,7 +269,7 @@ def test_init_from_takes_the_keys_that_leave_the_weights_function_alone(tmp_path
     """The INIT_FROM keys (jaxgpt.config) may differ from the checkpoint's; the others are refused by name."""
     import dataclasses
 
-    from jaxgpt.hf import load_into
+    from jaxgpt.hf.importer import load_into
 
     hf_dir = _gpt2(tmp_path / "hf")
     imported_cfg, imported = import_hf(hf_dir)
@@ -285,7 +284,7 @@ def test_init_from_takes_the_keys_that_leave_the_weights_function_alone(tmp_path
 
 
 def test_init_from_a_name_that_is_no_directory_explains_the_download(tmp_path, monkeypatch):
-    from jaxgpt.hf import resolve_source
+    from jaxgpt.hf.importer import resolve_source
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # no hub here: the download fails at once
     with pytest.raises(FileNotFoundError, match="could not be downloaded from the Hugging Face hub"):
@@ -306,7 +305,7 @@ EXPORTED = {  # learned positions: exported as GPT-2, with zero biases, repeated
 
 def _export_run(run, out, *extra):
     """`jaxgpt export-hf` on `run`: (exit status, stdout, stderr)."""
-    from jaxgpt.cli import main
+    from jaxgpt.cli.main import main
 
     stdout, stderr = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
@@ -320,7 +319,7 @@ def exported_run(request, tmp_path_factory):
 
     The run's checkpoint is stood in for by patching `load_run`: what is tested is the export.
     """
-    from jaxgpt.tokenizer import build_char
+    from jaxgpt.data.tokenizer import build_char
 
     cfg = ModelConfig(vocab_size=VOCAB, context_length=32, d_model=32, n_heads=4, **EXPORTED[request.param])
     shapes = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))  # traced, not compiled
@@ -330,7 +329,7 @@ def exported_run(request, tmp_path_factory):
     tokenizer = build_char([CHAR_CORPUS], VOCAB)
     tokenizer.save(run / "tokenizer.json")
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("jaxgpt.checkpoint.load_run", lambda path: (cfg, params))
+        patch.setattr("jaxgpt.train.checkpoint.load_run", lambda path: (cfg, params))
         status, stdout, stderr = _export_run(run, out)
         refused = _export_run(run, out)  # the same --out again, now not empty
     assert status == 0, stderr
@@ -383,7 +382,7 @@ def test_export_into_a_non_empty_folder_needs_force(exported_run, tmp_path, monk
     (target / "tokenizer.json").unlink()
     (target / "notes.txt").write_text("the user's")
     weights = (target / "model.safetensors").read_bytes()
-    monkeypatch.setattr("jaxgpt.checkpoint.load_run", lambda path: (cfg, params))
+    monkeypatch.setattr("jaxgpt.train.checkpoint.load_run", lambda path: (cfg, params))
     assert _export_run(run, target)[0] == 2
     assert (target / "model.safetensors").read_bytes() == weights and not (target / "tokenizer.json").exists()
     assert _export_run(run, target, "--force")[0] == 0
@@ -396,7 +395,7 @@ def test_export_into_a_non_empty_folder_needs_force(exported_run, tmp_path, monk
 # ------------------------------------------------------------ train --init-from: the folder's tokenizer
 
 def test_init_from_without_a_tokenizer_stops_before_writing(tmp_path, capsys):
-    from jaxgpt.cli import main
+    from jaxgpt.cli.main import main
 
     hf_dir = _gpt2(tmp_path / "hf")  # config.json and weights, no tokenizer files
     capsys.readouterr()
@@ -414,7 +413,7 @@ def test_init_from_without_a_tokenizer_stops_before_writing(tmp_path, capsys):
 
 def _gpt2_vocab_and_merges(folder, corpus):
     """GPT-2's tokenizer files (vocab.json with <|endoftext|> last, merges.txt) for a BPE learned on `corpus`."""
-    from jaxgpt.tokenizer import train_bpe
+    from jaxgpt.data.tokenizer import train_bpe
 
     model = json.loads(train_bpe([corpus], 300).save(folder / "bpe.json").read_text())["model"]
     (folder / "bpe.json").unlink()
@@ -426,8 +425,8 @@ def _gpt2_vocab_and_merges(folder, corpus):
 
 
 def test_init_from_uses_gpt2_vocab_and_merges(tmp_path, monkeypatch):
-    from jaxgpt.cli import main
-    from jaxgpt.tokenizer import build_tokenizer
+    from jaxgpt.cli.main import main
+    from jaxgpt.data.tokenizer import build_tokenizer
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("the cat sat on the mat, and the dog ran to it!\n\n" * 30, encoding="utf-8")
@@ -444,7 +443,7 @@ def test_init_from_uses_gpt2_vocab_and_merges(tmp_path, monkeypatch):
         seen["cfg"] = cfg
         raise Stop
 
-    monkeypatch.setattr("jaxgpt.train.train", train)
+    monkeypatch.setattr("jaxgpt.train.loop.train", train)
     with pytest.raises(Stop):
         main(["train", "--init-from", str(hf_dir), "--data", str(corpus), "--out", str(tmp_path / "run")])
     ours = build_tokenizer(seen["cfg"].data.tokenizer, [], vocab)

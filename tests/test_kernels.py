@@ -10,10 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxgpt.cli import main as cli_main
+from jaxgpt.cli.main import main as cli_main
 from jaxgpt.config import ConfigError, ModelConfig, RunConfig, load_config
 from jaxgpt.kernels import PORTABLE, Kernels, choose_kernels, usable
-from jaxgpt.model import forward, init_params
+from jaxgpt.model.decoder import forward, init_params
 
 DAY1 = str(Path(__file__).resolve().parent.parent / "experiments/day1.toml")
 BASE = ModelConfig(vocab_size=64, context_length=64, d_model=32, n_layers=2, n_heads=4, hidden_size=48)
@@ -134,7 +134,7 @@ def test_dry_run_names_the_kernels(capsys, overrides, name):
 
 
 def test_the_kernels_compiler_options_reach_the_compiled_steps():
-    from jaxgpt.step import compile_steps, init_state
+    from jaxgpt.train.step import compile_steps, init_state
 
     cfg = RunConfig(model=BASE)
     state = init_state(cfg, jax.random.key(0))
@@ -149,7 +149,7 @@ def test_the_kernels_compiler_options_reach_the_compiled_steps():
 
 
 def test_an_unrolled_layer_scan_computes_the_same_model_on_the_same_params():
-    from jaxgpt.model import forward_cached, init_cache
+    from jaxgpt.model.decoder import forward_cached, init_cache
 
     cfg = BASE
     unrolled = dataclasses.replace(PORTABLE, scan_unroll=8)  # more than the layers: no loop at all

@@ -20,7 +20,7 @@ from jaxgpt.kernels import choose_kernels
 from jaxgpt.kernels.cpu import gelu_tanh, tied_logits_2d
 from jaxgpt.kernels.cpu_attention import REMAT_TILE, TILED_TRAIN_CONTEXT
 from jaxgpt.kernels.cpu_matmul import flat_dot_general
-from jaxgpt.model import forward, init_params
+from jaxgpt.model.decoder import forward, init_params
 
 TINY = ModelConfig(vocab_size=64, context_length=16, d_model=32, n_layers=2, n_heads=4)
 

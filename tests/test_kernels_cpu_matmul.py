@@ -16,9 +16,14 @@ import pytest
 from jaxgpt.config import ModelConfig
 from jaxgpt.kernels import choose_kernels
 from jaxgpt.kernels.cpu_attention import causal_query_blocks
-from jaxgpt.kernels.cpu_matmul import (bf16_causal_attention, bf16_matmul, cpu_bf16_dot_general, cpu_f32_matmul,
-                                       transposed_copy)
-from jaxgpt.model import forward, init_params
+from jaxgpt.kernels.cpu_matmul import (
+    bf16_causal_attention,
+    bf16_matmul,
+    cpu_bf16_dot_general,
+    cpu_f32_matmul,
+    transposed_copy,
+)
+from jaxgpt.model.decoder import forward, init_params
 
 TINY = ModelConfig(vocab_size=64, context_length=16, d_model=32, n_layers=2, n_heads=4, dtype="bfloat16")
 cpu_only = pytest.mark.skipif(jax.default_backend() != "cpu", reason="the bfloat16-operand path is the CPU's")

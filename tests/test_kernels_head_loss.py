@@ -12,8 +12,8 @@ import pytest
 from jaxgpt.config import ModelConfig, RunConfig, TrainConfig, load_config
 from jaxgpt.kernels import PORTABLE
 from jaxgpt.kernels.head_loss import chunk_count, mean_head_loss
-from jaxgpt.model import init_params
-from jaxgpt.step import depth_losses, init_state, train_step, training_loss
+from jaxgpt.model.decoder import init_params
+from jaxgpt.train.step import depth_losses, init_state, train_step, training_loss
 
 BASE = ModelConfig(vocab_size=96, context_length=16, d_model=32, n_layers=1, n_heads=4, hidden_size=48)
 # 4 chunks of the batch's 2 x 16 x 96 logits: every test below crosses chunk boundaries.
@@ -95,17 +95,17 @@ def test_the_124m_train_step_no_longer_holds_the_float32_logits():
 
 def test_sharded_over_data_and_fsdp_the_fused_step_equals_one_devices():
     # The chunks slice T, so the batch axis keeps its sharding: 8 fake devices, data 2 x fsdp 4.
-    from jaxgpt import parallel
+    from jaxgpt.train import sharding
 
     assert jax.device_count() == 8
     cfg = RunConfig(model=BASE, train=TrainConfig(batch_size=8, steps=4, warmup_steps=0, fsdp=4, adam_eps=1e-4))
     batch = np.asarray(jax.random.randint(jax.random.key(3), (8, BASE.context_length + 1), 0, BASE.vocab_size))
     state = jax.device_get(init_state(cfg, jax.random.key(0)))
     want, want_metrics = jax.jit(lambda s, b: train_step(cfg, s, b, kernels=PORTABLE))(state, batch)
-    mesh = parallel.make_mesh(cfg.train)
-    shardings = parallel.state_shardings(mesh, parallel.state_shapes(cfg), 4)
-    sharded = parallel.sharded_train_step(cfg, mesh, shardings, FUSED)
-    got, got_metrics = sharded(jax.device_put(state, shardings), parallel.shard_batch(batch, mesh))
+    mesh = sharding.make_mesh(cfg.train)
+    shardings = sharding.state_shardings(mesh, sharding.state_shapes(cfg), 4)
+    sharded = sharding.sharded_train_step(cfg, mesh, shardings, FUSED)
+    got, got_metrics = sharded(jax.device_put(state, shardings), sharding.shard_batch(batch, mesh))
     np.testing.assert_allclose(got_metrics["loss"], want_metrics["loss"], rtol=1e-5)
     np.testing.assert_allclose(got_metrics["grad_norm"], want_metrics["grad_norm"], rtol=1e-5)
     for got_leaf, want_leaf in zip(jax.tree_util.tree_leaves(got.params), jax.tree_util.tree_leaves(want.params)):

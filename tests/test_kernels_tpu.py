@@ -11,10 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxgpt import parallel
 from jaxgpt.config import ModelConfig, RunConfig, TrainConfig
 from jaxgpt.kernels import PORTABLE, choose_kernels, tpu, xla
-from jaxgpt.step import init_state, train_step
+from jaxgpt.train import sharding
+from jaxgpt.train.step import init_state, train_step
 
 # Blocks of 128, the smallest the kernel takes: 256 positions are two blocks a side, 200 are padded to them.
 SPLASH = tpu.kernels(interpret=True, max_block=128)
@@ -106,8 +106,8 @@ def steps():
     tpu_set = choose_kernels(MODEL, "tpu", interpret=True)
     batch = np.asarray(jax.random.randint(jax.random.key(3), (8, MODEL.context_length + 1), 0, MODEL.vocab_size))
     state = jax.device_get(init_state(CFG, jax.random.key(0)))
-    mesh = parallel.make_mesh(CFG.train)
-    shardings = parallel.state_shardings(mesh, parallel.state_shapes(CFG), 4)
+    mesh = sharding.make_mesh(CFG.train)
+    shardings = sharding.state_shardings(mesh, sharding.state_shapes(CFG), 4)
 
     def run(step, *args):
         traced = step.trace(*args)
@@ -115,8 +115,8 @@ def steps():
 
     single = lambda kernels: jax.jit(lambda s, b: train_step(CFG, s, b, kernels=kernels))
     return {"portable": run(single(PORTABLE), state, batch), "tpu": run(single(tpu_set), state, batch),
-            "sharded": run(parallel.sharded_train_step(CFG, mesh, shardings, tpu_set),
-                           jax.device_put(state, shardings), parallel.shard_batch(batch, mesh)),
+            "sharded": run(sharding.sharded_train_step(CFG, mesh, shardings, tpu_set),
+                           jax.device_put(state, shardings), sharding.shard_batch(batch, mesh)),
             "name": tpu_set.name}
 
 

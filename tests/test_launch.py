@@ -14,17 +14,16 @@ import sys
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
-
-import jax
-
-from jaxgpt.checkpoint import load_run
-from jaxgpt.launch import exit_code, launch, process_env
-from jaxgpt.metrics import read_metrics
 from conftest import FAST_COMPILE
 from jaxgpt_lines import foreign_lines
 from test_train import write_corpus
+
+from jaxgpt.runs.metrics import read_metrics
+from jaxgpt.tools.launch import exit_code, launch, process_env
+from jaxgpt.train.checkpoint import load_run
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, EVERY = 6, 3
@@ -204,7 +203,7 @@ def test_process_env_names_the_coordinator_and_the_devices():
 
 
 def test_processes_ending_as_asked_are_not_lost(capsys, monkeypatch):
-    from jaxgpt import launch as launch_module
+    from jaxgpt.tools import launch as launch_module
 
     monkeypatch.setattr(launch_module, "EXIT_GRACE_S", 0.2)  # far less than the slower one needs
     # After a forwarded SIGTERM one process may end (143) well before another finishes its checkpoint.

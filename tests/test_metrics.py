@@ -9,10 +9,10 @@ import pytest
 from tensorboardX.crc32c import crc32c as reference_crc32c
 from tensorboardX.proto import event_pb2
 
-from jaxgpt.events import EventWriter, masked_crc32c
-
 from jaxgpt.config import ModelConfig
-from jaxgpt.metrics import MetricsWriter, Throughput, flops_per_token, mfu, plot_losses, read_metrics
+from jaxgpt.model.flops import flops_per_token, mfu
+from jaxgpt.runs.events import EventWriter, masked_crc32c
+from jaxgpt.runs.metrics import MetricsWriter, Throughput, plot_losses, read_metrics
 
 RECORDS = [
     {"type": "train", "step": 10, "loss": 5.5, "lr": 1e-3},
@@ -115,7 +115,7 @@ def test_masked_crc_matches_tensorboardx(data: bytes) -> None:
 def test_writing_metrics_imports_no_tensorboard_library_or_torch(tmp_path: Path) -> None:
     script = (
         "import sys\n"
-        "from jaxgpt.metrics import MetricsWriter\n"
+        "from jaxgpt.runs.metrics import MetricsWriter\n"
         f"with MetricsWriter({str(tmp_path)!r}) as w:\n"
         "    w.write({'type': 'train', 'step': 1, 'loss': 2.0})\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'tensorboardX', 'tensorboard')))\n"

@@ -12,9 +12,16 @@ import optax
 import pytest
 
 from jaxgpt.config import ModelConfig
-from jaxgpt.layers import FeedForward, LayerNorm, RMSNorm
-from jaxgpt.model import (count_params, forward, forward_cached, init_cache, init_params,
-                          stack_blocks, unstack_blocks)
+from jaxgpt.model.decoder import (
+    count_params,
+    forward,
+    forward_cached,
+    init_cache,
+    init_params,
+    stack_blocks,
+    unstack_blocks,
+)
+from jaxgpt.model.layers import FeedForward, LayerNorm, RMSNorm
 
 TINY = ModelConfig(vocab_size=64, context_length=16, d_model=32, n_layers=2, n_heads=4)
 
@@ -78,7 +85,7 @@ def test_octlm_grid_has_octlms_parameter_counts():
     """Every variant of experiments/octlm_day2.toml, resolved as `jaxgpt sweep` resolves it."""
     from pathlib import Path
 
-    from jaxgpt.sweep import load_sweep
+    from jaxgpt.tools.sweep import load_sweep
 
     grid = load_sweep(Path(__file__).resolve().parents[1] / "experiments/octlm_day2.toml")
     models = {variant.name: variant.config.model for variant in grid.variants}
@@ -169,7 +176,7 @@ def test_sinusoidal_positions_are_causal_and_cache_exact_past_the_context():
 
 
 def test_sinusoidal_table_is_the_original_transformers():
-    from jaxgpt.layers import sinusoidal_positions
+    from jaxgpt.model.layers import sinusoidal_positions
 
     positions = np.array([[0, 1, 7], [300, 5000, 8191]])
     table = np.asarray(sinusoidal_positions(jnp.asarray(positions), 8))
@@ -203,7 +210,7 @@ def check_causal_and_cache_exact(cfg):
 
 
 def test_blocks_keep_shape_and_dtype_and_chex_rejects_wrong_width():
-    from jaxgpt.layers import TransformerBlock
+    from jaxgpt.model.layers import TransformerBlock
 
     for dtype in (jnp.float32, jnp.bfloat16):
         cfg = dataclasses.replace(TINY, dtype="bfloat16" if dtype == jnp.bfloat16 else "float32")

@@ -8,7 +8,7 @@ import optax
 import pytest
 
 from jaxgpt.config import TrainConfig
-from jaxgpt.optim import decay_mask, lr_schedule, make_optimizer, muon_mask
+from jaxgpt.train.optim import decay_mask, lr_schedule, make_optimizer, muon_mask
 
 CFG = TrainConfig(steps=100, warmup_steps=10, lr=1e-3, min_lr=1e-4)
 

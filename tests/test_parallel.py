@@ -1,18 +1,19 @@
 """Multi-device training on 8 fake CPU devices: sharded (data, data x fsdp) and pmap steps give
 the one-device numbers; fsdp splits the state; bad meshes are refused; AOT compile runs nothing."""
 
-import json
 import dataclasses
 import functools
+import json
 
 import jax
 import numpy as np
 import pytest
 
-from jaxgpt import distributed, parallel
 from jaxgpt.config import RunConfig, load_config
 from jaxgpt.data import get_batch
-from jaxgpt.step import init_state, train_step, window_length
+from jaxgpt.process import distributed
+from jaxgpt.train import sharding
+from jaxgpt.train.step import init_state, train_step, window_length
 
 # adam_eps = 1e-4 rather than 1e-8: Adam's first update is lr * g / (|g| + eps), whose slope at
 # g = 0 is lr / eps. With eps = 1e-8 the rounding of a different summation order in the few
@@ -55,28 +56,28 @@ def runners(name: str):
     """name -> (cfg, {mode: (place(host_state) -> state, step(state, host_batch) -> (state, metrics),
     to_host(state) -> host_state)}); compiled once per config and shared by the tests."""
     cfg = load_config(None, CONFIGS[name])
-    shapes = parallel.state_shapes(cfg)
+    shapes = sharding.state_shapes(cfg)
     B, W = cfg.train.batch_size, window_length(cfg.model)
     single = jax.jit(functools.partial(train_step, cfg)).lower(
         shapes, jax.ShapeDtypeStruct((B, W), np.int32)).compile(FAST)
     out = {"single": (jax.device_put, single, jax.device_get)}
     for mode, fsdp in (("data8", 1), ("data2_fsdp4", 4)):
         sharded_cfg = with_fsdp(cfg, fsdp)
-        mesh = parallel.make_mesh(sharded_cfg.train)
-        shardings = parallel.state_shardings(mesh, shapes, fsdp)
-        batch = jax.ShapeDtypeStruct((B, W), np.int32, sharding=parallel.batch_sharding(mesh))
-        step = parallel.sharded_train_step(sharded_cfg, mesh, shardings).lower(
+        mesh = sharding.make_mesh(sharded_cfg.train)
+        shardings = sharding.state_shardings(mesh, shapes, fsdp)
+        batch = jax.ShapeDtypeStruct((B, W), np.int32, sharding=sharding.batch_sharding(mesh))
+        step = sharding.sharded_train_step(sharded_cfg, mesh, shardings).lower(
             with_shardings(shapes, shardings), batch).compile(FAST)
         out[mode] = (lambda host, sh=shardings: jax.device_put(host, sh),
-                     lambda s, b, step=step, mesh=mesh: step(s, parallel.shard_batch(b, mesh)),
+                     lambda s, b, step=step, mesh=mesh: step(s, sharding.shard_batch(b, mesh)),
                      jax.device_get)
     n = jax.local_device_count()
-    pmap_step = parallel.pmap_train_step(cfg).lower(
+    pmap_step = sharding.pmap_train_step(cfg).lower(
         jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct((n, *x.shape), x.dtype), shapes),
         jax.ShapeDtypeStruct((n, B // n, W), np.int32)).compile(FAST)
-    out["pmap"] = (parallel.replicate,
-                   lambda s, b: pmap_step(s, parallel.shard_for_pmap(b)),
-                   lambda s: jax.device_get(parallel.unreplicate(s)))
+    out["pmap"] = (sharding.replicate,
+                   lambda s, b: pmap_step(s, sharding.shard_for_pmap(b)),
+                   lambda s: jax.device_get(sharding.unreplicate(s)))
     return cfg, out
 
 
@@ -145,9 +146,9 @@ def test_twenty_steps_loss_curves_agree():
 
 def test_fsdp_splits_params_and_adam_moments():
     cfg = with_fsdp(load_config(None, CONFIGS["day1"]), 4)
-    mesh = parallel.make_mesh(cfg.train)
+    mesh = sharding.make_mesh(cfg.train)
     assert dict(mesh.shape) == {"data": 2, "fsdp": 4}
-    state = parallel.init_sharded_state(cfg, jax.random.key(3), mesh)
+    state = sharding.init_sharded_state(cfg, jax.random.key(3), mesh)
     # created sharded, with the one-device init's values (to rounding: the same random bits)
     jax.tree_util.tree_map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-6),
                            jax.device_get(state), host_state(load_config(None, CONFIGS["day1"])))
@@ -169,7 +170,7 @@ def test_fsdp_splits_params_and_adam_moments():
     quarters = [row0[d] for d in mesh.devices[0]]
     assert len(set(map(str, quarters))) == 4 and quarters == [row0[d] for d in mesh.devices[1]]
 
-    info = parallel.describe(mesh, state)
+    info = sharding.describe(mesh, state)
     assert info["mesh"] == {"data": 2, "fsdp": 4} and info["devices"] == 8
     assert info["params_bytes_per_device"] * 4 == info["params_bytes"]  # every leaf splits here
     scalars = 2 * 4  # two int32 counts, replicated
@@ -179,22 +180,22 @@ def test_fsdp_splits_params_and_adam_moments():
 def test_bad_mesh_requests_are_refused():
     cfg = load_config(None, CONFIGS["day1"]).train
     with pytest.raises(ValueError, match=r"fsdp = 3 does not divide the 8"):
-        parallel.make_mesh(dataclasses.replace(cfg, fsdp=3))
+        sharding.make_mesh(dataclasses.replace(cfg, fsdp=3))
     with pytest.raises(ValueError, match=r"fsdp = 16 exceeds the 8"):
-        parallel.make_mesh(dataclasses.replace(cfg, fsdp=16))
+        sharding.make_mesh(dataclasses.replace(cfg, fsdp=16))
     with pytest.raises(ValueError, match=r"batch_size = 12 .* 12 rows.*data 8 x fsdp 1 = 8"):
-        parallel.make_mesh(dataclasses.replace(cfg, batch_size=12))
+        sharding.make_mesh(dataclasses.replace(cfg, batch_size=12))
     with pytest.raises(ValueError, match=r"grad_accum = 4 .* 4 rows.*data 2 x fsdp 4 = 8"):
-        parallel.make_mesh(dataclasses.replace(cfg, batch_size=16, grad_accum=4, fsdp=4))
+        sharding.make_mesh(dataclasses.replace(cfg, batch_size=16, grad_accum=4, fsdp=4))
     with pytest.raises(ValueError, match=r"fsdp = 2 needs train.parallel = 'sharded'"):
-        parallel.resolve_mode(dataclasses.replace(cfg, parallel="pmap", fsdp=2), 8)
+        sharding.resolve_mode(dataclasses.replace(cfg, parallel="pmap", fsdp=2), 8)
 
 
 def test_resolve_mode_and_mesh_on_given_devices():
     cfg = load_config(None, CONFIGS["day1"]).train
-    assert parallel.resolve_mode(cfg, 8) == "sharded" and parallel.resolve_mode(cfg, 1) == "single"
-    assert parallel.resolve_mode(dataclasses.replace(cfg, parallel="pmap"), 8) == "pmap"
-    mesh = parallel.make_mesh(dataclasses.replace(cfg, fsdp=2), jax.devices()[:4])
+    assert sharding.resolve_mode(cfg, 8) == "sharded" and sharding.resolve_mode(cfg, 1) == "single"
+    assert sharding.resolve_mode(dataclasses.replace(cfg, parallel="pmap"), 8) == "pmap"
+    mesh = sharding.make_mesh(dataclasses.replace(cfg, fsdp=2), jax.devices()[:4])
     assert dict(mesh.shape) == {"data": 2, "fsdp": 2}
 
 
@@ -229,16 +230,16 @@ def test_distributed_initialization_follows_the_environment(monkeypatch):
 
 def test_pmap_helpers_round_trip():
     tree = {"w": np.arange(6.0).reshape(2, 3), "n": np.int32(5)}
-    rep = parallel.replicate(tree)
+    rep = sharding.replicate(tree)
     assert rep["w"].shape == (8, 2, 3) and len(rep["w"].addressable_shards) == 8
-    back = parallel.unreplicate(rep)
+    back = sharding.unreplicate(rep)
     np.testing.assert_array_equal(back["w"], tree["w"])
     assert int(back["n"]) == 5
-    assert parallel.shard_for_pmap(np.zeros((16, 5))).shape == (8, 2, 5)
+    assert sharding.shard_for_pmap(np.zeros((16, 5))).shape == (8, 2, 5)
     with pytest.raises(ValueError, match="12 rows does not divide over 8"):
-        parallel.shard_for_pmap(np.zeros((12, 5)))
+        sharding.shard_for_pmap(np.zeros((12, 5)))
     cfg = load_config(None, CONFIGS["modern"])  # grad_accum = 2
-    step = parallel.pmap_train_step(cfg)
+    step = sharding.pmap_train_step(cfg)
     with pytest.raises(ValueError, match="3 rows do not divide into train.grad_accum = 2"):
         step(None, np.zeros((8, 3, window_length(cfg.model)), np.int32))
     with pytest.raises(ValueError, match=r"pmap batch must be \[8 devices, rows, 17\]"):
@@ -246,7 +247,7 @@ def test_pmap_helpers_round_trip():
 
 
 def test_dry_run_compile_reports_memory_per_device(capsys):
-    from jaxgpt.cli import main
+    from jaxgpt.cli.main import main
 
     assert main(["dry-run", "--set", "train.fsdp=4", "--set", "model.n_layers=1", "--compile"]) == 0
     record = json.loads(capsys.readouterr().out)

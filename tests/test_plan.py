@@ -11,15 +11,15 @@ import types
 import jax
 import numpy as np
 import pytest
+from jaxgpt_lines import foreign_lines
+from plan_models import GIB, LAYERS, TINY, attention, tiny
 
 from jaxgpt import plan as planning
-from jaxgpt.cli import main
+from jaxgpt.cli.main import main
 from jaxgpt.config import ConfigError, load_config
 from jaxgpt.plan import compilers, targets
 from jaxgpt.plan.programs import compile_train, planned_memory
 from jaxgpt.plan.report import largest_batch
-from jaxgpt_lines import foreign_lines
-from plan_models import GIB, LAYERS, TINY, attention, tiny
 
 REMAT = ["none", "dots", "full"]
 
@@ -106,14 +106,14 @@ def test_the_search_finds_the_largest_fitting_multiple_in_a_few_compiles():
 
 def test_compiling_for_this_machine_allocates_nothing():
     cfg = tiny("train.fsdp=4", "train.batch_size=8")
-    from jaxgpt import parallel
+    from jaxgpt.train import sharding
 
-    mesh = parallel.make_mesh(cfg.train)
+    mesh = sharding.make_mesh(cfg.train)
     before = {id(a) for a in jax.live_arrays()}
     report = compile_train(cfg, mesh)
     assert not [a for a in jax.live_arrays() if id(a) not in before and a.ndim > 0]
     assert report["mesh"] == {"data": 2, "fsdp": 4} and report["compile_s"] > 0 and report["lower_s"] > 0
-    params = sum(x.size * 4 for x in jax.tree_util.tree_leaves(parallel.state_shapes(cfg).params))
+    params = sum(x.size * 4 for x in jax.tree_util.tree_leaves(sharding.state_shapes(cfg).params))
     assert 0 < report["argument_bytes"] < params  # per device: 1/4 of params, mu and nu
     assert planned_memory(cfg, mesh)["params_bytes_per_device"] == params // 4
 

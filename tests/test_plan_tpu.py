@@ -5,10 +5,10 @@ test_plan_tpu_memory.py). The compiles for one target share one compile process 
 import itertools
 
 import pytest
+from plan_models import attention, tiny
 
 from jaxgpt import plan as planning
 from jaxgpt.plan import targets
-from plan_models import attention, tiny
 
 # A pairwise covering array of the TPU set's shapes: every value of every pair of the four
 # factors (attention kind, length, head size, dtype) meets in some row.

@@ -2,11 +2,11 @@
 compiler states it, the largest batch a chip takes, and plans side by side."""
 
 import pytest
+from plan_models import GIB, LAYERS, tiny
 
 from jaxgpt import plan as planning
 from jaxgpt.config import load_config
 from jaxgpt.plan import targets
-from plan_models import GIB, LAYERS, tiny
 
 
 def beyond_the_chip(chips: int):

@@ -8,7 +8,7 @@ import types
 
 import pytest
 
-from jaxgpt import platforms
+from jaxgpt.process import platforms
 
 PROBE = ("import os, sys, jaxgpt, jax, jax.numpy as jnp; "
          "print(os.environ.get('JAX_PLATFORMS'), jax.default_backend(), float(jnp.ones(3).sum()), "

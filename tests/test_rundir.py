@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxgpt.rundir import RunDir, atomic_file, write_atomic
+from jaxgpt.runs.rundir import RunDir, atomic_file, write_atomic
 
 
 def test_run_dir_names_the_documented_layout() -> None:

@@ -5,9 +5,9 @@ import jax
 import numpy as np
 import pytest
 
-from jaxgpt import scoring
 from jaxgpt.config import ModelConfig
-from jaxgpt.model import forward, init_params
+from jaxgpt.evaluation import scoring
+from jaxgpt.model.decoder import forward, init_params
 
 # init_std 0.3 sharpens the random model's logits, so greedy choices are far from float ties.
 CFG = ModelConfig(vocab_size=64, context_length=32, d_model=32, n_layers=2, n_heads=4, init_std=0.3)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import xla_flags
 
-from jaxgpt import signals
+from jaxgpt.process import signals
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["model.context_length=16", "model.d_model=32", "model.n_heads=4", "model.vocab_size=300",

@@ -16,7 +16,7 @@ from conftest import xla_flags
 from jaxgpt_lines import foreign_lines
 from test_train import write_corpus
 
-import jaxgpt.train as train_module
+import jaxgpt.train.loop as train_module
 from jaxgpt.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,7 +47,7 @@ NEXT = "--- next command ---"
 # Several commands in one fresh process, as `jaxgpt` runs each (one start of JAX instead of many).
 SEVERAL = f"""
 import json, sys
-from jaxgpt.cli import main
+from jaxgpt.cli.main import main
 for argv in json.loads(sys.argv[1]):
     code = main(argv)
     print({NEXT!r}, file=sys.stderr, flush=True)

@@ -6,9 +6,9 @@ import jax
 import numpy as np
 
 from jaxgpt.config import RunConfig, load_config
-from jaxgpt.model import init_params, unstack_blocks
-from jaxgpt.optim import decay_mask
-from jaxgpt.step import depth_losses, init_state, state_from_params, train_step, window_length
+from jaxgpt.model.decoder import init_params, unstack_blocks
+from jaxgpt.train.optim import decay_mask
+from jaxgpt.train.step import depth_losses, init_state, state_from_params, train_step, window_length
 
 TINY = ["model.vocab_size=64", "model.context_length=8", "model.d_model=32", "model.n_heads=4",
         "train.steps=10", "train.warmup_steps=2"]
@@ -56,9 +56,10 @@ def test_depth_losses_use_shifted_targets():
     window = batch_for(cfg, 2)
     depths = depth_losses(params, cfg.model, window)
     assert depths.shape == (3,)
-    from jaxgpt.kernels import choose_kernels
-    from jaxgpt.model import forward
     import optax
+
+    from jaxgpt.kernels import choose_kernels
+    from jaxgpt.model.decoder import forward
     T = cfg.model.context_length
     logits = forward(params, cfg.model, window[:, :T], all_depths=True, kernels=choose_kernels(cfg.model))
     second = optax.softmax_cross_entropy_with_integer_labels(logits[2], window[:, 3:3 + T]).mean()

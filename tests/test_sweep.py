@@ -12,17 +12,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxgpt import sweep as sweep_module
-from jaxgpt.checkpoint import load_run
-from jaxgpt.cli import main
+from jaxgpt.cli.main import main
 from jaxgpt.config import ConfigError, TrainConfig
-from jaxgpt.errors import UserError
-from jaxgpt.metrics import read_metrics
-from jaxgpt.optim import OptHParams, lr_schedule
-from jaxgpt.sweep import group_members, load_sweep, members, run_sweep, stack_hparams, train_group
-from jaxgpt.sweep_report import markdown_table, summarise, verdict
 from jaxgpt.data import prepare_data
-from jaxgpt.train import train
+from jaxgpt.errors import UserError
+from jaxgpt.runs.metrics import read_metrics
+from jaxgpt.tools import sweep as sweep_module
+from jaxgpt.tools.sweep import group_members, load_sweep, members, run_sweep, stack_hparams, train_group
+from jaxgpt.tools.sweep_report import markdown_table, summarise, verdict
+from jaxgpt.train.checkpoint import load_run
+from jaxgpt.train.loop import train
+from jaxgpt.train.optim import OptHParams, lr_schedule
 
 BASE = """
 [model]

@@ -1,4 +1,4 @@
-"""Sweeps on many devices (jaxgpt.sweep_mesh): each group's members spread over the devices, the
+"""Sweeps on many devices (jaxgpt.train.sweep_mesh): each group's members spread over the devices, the
 same results on 1, 2 and 8 devices and as 2 processes × 4 devices through `jaxgpt launch`, a lost
 process, a rerun on another device count, and the plan of a sweep (`sweep --dry-run`)."""
 
@@ -17,9 +17,9 @@ from jaxgpt_lines import foreign_lines
 from test_launch import _env, _wait_for, kill_process_one
 from test_sweep import LR_VARIANT, base_file, sweep_text, write_sweep  # noqa: F401  (base_file: a fixture)
 
-from jaxgpt.cli import main
-from jaxgpt.sweep import load_sweep, run_sweep
-from jaxgpt.sweep_mesh import Layout, group_layout
+from jaxgpt.cli.main import main
+from jaxgpt.tools.sweep import load_sweep, run_sweep
+from jaxgpt.train.sweep_mesh import Layout, group_layout
 
 ROOT = Path(__file__).resolve().parents[1]
 # Two groups: the baseline with an optimiser variant (4 members), and an architecture variant (2).

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxgpt import tokenizer as tokenizer_module
-from jaxgpt.tokenizer import EOT, Tokenizer, build_tokenizer, safe_cut
+from jaxgpt.data import tokenizer as tokenizer_module
+from jaxgpt.data.tokenizer import EOT, Tokenizer, build_tokenizer, safe_cut
 
 CORPUS = [
     "def main():\n    print('hello, world')\n\n\nif __name__ == '__main__':\n    main()\n",

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from jaxgpt.cli import main
-from jaxgpt.metrics import read_metrics
+from jaxgpt.cli.main import main
+from jaxgpt.runs.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--set", "model.context_length=16", "--set", "model.d_model=32", "--set", "model.n_heads=4",
@@ -92,10 +92,9 @@ def test_a_second_run_into_the_same_directory_is_refused(finished_run, capsys):
 def test_nan_guard_stops_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):
     import jax.numpy as jnp
 
-    import jaxgpt.train as train_module
+    import jaxgpt.train.loop as train_module
     from jaxgpt.config import load_config
-
-    from jaxgpt.runtime import Runtime
+    from jaxgpt.train.runtime import Runtime
 
     real_step = Runtime.train_step
 

@@ -9,15 +9,33 @@ read back as deterministic batches.
     preparer.py                            one preparer per store: other processes wait for it
     batches.py                             batches as a pure function of (seed, stream, step)
     pipeline.py                            prepare_data: config -> tokenizer + token splits
+    tokenizer.py, encoding.py              the tokenizers; documents to ids in worker processes
+
+The names below are looked up when first asked for: an encoding worker (`python -m
+jaxgpt.data.encoding`) starts without importing the rest of the package.
 """
 
-from jaxgpt.data.batches import (TRAIN_STREAM, VAL_STREAM, RunData, eval_summary, evaluate, get_batch,
-                                 train_batch, val_batch, window_length)
-from jaxgpt.data.pipeline import prepare_data
-from jaxgpt.data.documents import Document, in_val_split
-from jaxgpt.data.sources import open_source, stdlib_paths, stdlib_root
-from jaxgpt.data.store import Tokens, TokenSplits, default_cache_dir
+from __future__ import annotations
 
-__all__ = ["TRAIN_STREAM", "VAL_STREAM", "Document", "RunData", "TokenSplits", "Tokens", "default_cache_dir",
-           "eval_summary", "evaluate", "get_batch", "in_val_split", "open_source", "prepare_data", "stdlib_paths",
-           "stdlib_root", "train_batch", "val_batch", "window_length"]
+import importlib
+from typing import Any
+
+_HOMES = {  # name -> the module that defines it
+    **dict.fromkeys(("TRAIN_STREAM", "VAL_STREAM", "RunData", "eval_summary", "evaluate", "get_batch", "train_batch",
+                     "val_batch", "window_length"), "batches"),
+    "prepare_data": "pipeline",
+    **dict.fromkeys(("Document", "in_val_split"), "documents"),
+    **dict.fromkeys(("open_source", "stdlib_paths", "stdlib_root"), "sources"),
+    **dict.fromkeys(("Tokens", "TokenSplits"), "store"),
+}
+_HOMES_ELSEWHERE = {"default_cache_dir": "jaxgpt.runs.rundir"}
+
+__all__ = sorted([*_HOMES, *_HOMES_ELSEWHERE])
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES_ELSEWHERE.get(name) or (f"jaxgpt.data.{_HOMES[name]}" if name in _HOMES else None)
+    if home is None:
+        raise AttributeError(f"module 'jaxgpt.data' has no attribute {name!r}")
+    value = globals()[name] = getattr(importlib.import_module(home), name)
+    return value

@@ -16,8 +16,8 @@ import numpy as np
 
 from jaxgpt.config import ModelConfig, RunConfig
 from jaxgpt.data.store import Tokens, TokenSplits
+from jaxgpt.data.tokenizer import Tokenizer
 from jaxgpt.errors import UserError
-from jaxgpt.tokenizer import Tokenizer
 
 TRAIN_STREAM, VAL_STREAM = 0, 1  # independent batch streams from one seed
 

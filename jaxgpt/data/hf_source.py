@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-from jaxgpt.data.documents import Document, Source, stat_entry, in_val_split
+from jaxgpt.data.documents import Document, Source, in_val_split, stat_entry
 from jaxgpt.errors import UserError
 
 HELD_OUT_SPLITS = ("validation", "test")

@@ -12,19 +12,27 @@ import shutil
 import sys
 from pathlib import Path
 
-from jaxgpt import signals
 from jaxgpt.config import RunConfig
 from jaxgpt.data.batches import RunData, window_length
 from jaxgpt.data.documents import Source, listing_changes
 from jaxgpt.data.prepare import Plan, build_store, is_large
 from jaxgpt.data.preparer import prepared_once
 from jaxgpt.data.sources import open_source
-from jaxgpt.data.store import TokenSplits, default_cache_dir, foreign_store, is_shard_folder, last_listing, \
-    listing_sha, open_store, remember_listing, store_key
+from jaxgpt.data.store import (
+    TokenSplits,
+    foreign_store,
+    is_shard_folder,
+    last_listing,
+    listing_sha,
+    open_store,
+    remember_listing,
+    store_key,
+)
+from jaxgpt.data.tokenizer import BPE, CHAR, Tokenizer
 from jaxgpt.data.tokenizer_cache import source_tokenizer
 from jaxgpt.errors import UserError
-from jaxgpt.rundir import RunDir
-from jaxgpt.tokenizer import BPE, CHAR, Tokenizer
+from jaxgpt.process import signals
+from jaxgpt.runs.rundir import RunDir, default_cache_dir
 
 
 def prepare_data(cfg: RunConfig, run_dir: str | Path | None = None, *, workers: int | None = None,

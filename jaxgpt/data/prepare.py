@@ -1,7 +1,7 @@
 """Preparing a token store: a source's documents encoded, in order, into llm.c shards.
 
 The main process reads the documents as a stream and hands them out in tasks of about a megabyte;
-worker processes encode them (`jaxgpt.encoding.Workers`), the results come back in task order and
+worker processes encode them (`jaxgpt.data.encoding.Workers`), the results come back in task order and
 are appended to the split's current shard, an end-of-text token after each document. So 1 and N
 workers write the same bytes, and memory is bounded by the tasks in flight, whatever the corpus.
 
@@ -31,15 +31,24 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
-from jaxgpt import signals
 from jaxgpt.data.documents import Document, Source, listing_changes
+from jaxgpt.data.encoding import HF, TIKTOKEN, Encoder, Workers, tiktoken_encoding
 from jaxgpt.data.shards import HEADER_BYTES, ShardError, ShardWriter, read_header, token_dtype
-from jaxgpt.data.store import INDEX, LISTING, SPLITS, STORE_FORMAT, STORE_VERSION, TokenSplits, listing_sha, \
-    open_store, shard_name
-from jaxgpt.encoding import HF, TIKTOKEN, Encoder, Workers, tiktoken_encoding
+from jaxgpt.data.store import (
+    INDEX,
+    LISTING,
+    SPLITS,
+    STORE_FORMAT,
+    STORE_VERSION,
+    TokenSplits,
+    listing_sha,
+    open_store,
+    shard_name,
+)
+from jaxgpt.data.tokenizer import Tokenizer
 from jaxgpt.errors import Failure, UserError
-from jaxgpt.rundir import write_atomic
-from jaxgpt.tokenizer import Tokenizer
+from jaxgpt.process import signals
+from jaxgpt.runs.rundir import write_atomic
 
 PROGRESS = "progress.json"
 TASK_BYTES = 1 << 20  # text per task handed to a worker

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Callable, TypeVar
 
-from jaxgpt import signals
+from jaxgpt.process import signals
 
 T = TypeVar("T")
 POLL_S = 0.5

@@ -12,6 +12,7 @@ import gzip
 import json
 from collections.abc import Iterator
 from pathlib import Path
+
 from jaxgpt.errors import UserError
 
 RECORD_SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet")

@@ -25,11 +25,11 @@ import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
 
-from jaxgpt.data.documents import Document, Source, stat_entry, bucket, in_val_split, row_name
+from jaxgpt.data.documents import Document, Source, bucket, in_val_split, row_name, stat_entry
 from jaxgpt.data.hf_source import HFSource
 from jaxgpt.data.records import record_rows, record_suffix
+from jaxgpt.data.tokenizer import safe_cut
 from jaxgpt.errors import UserError
-from jaxgpt.tokenizer import safe_cut
 
 # Not the standard library (site-packages), or left out to keep the default run small.
 _STDLIB_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__"}

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,18 +27,14 @@ import numpy as np
 
 from jaxgpt.data.documents import stat_entry
 from jaxgpt.data.shards import ShardError, open_shard, read_header
+from jaxgpt.data.tokenizer import Tokenizer
 from jaxgpt.errors import UserError
-from jaxgpt.rundir import write_atomic
-from jaxgpt.tokenizer import Tokenizer
+from jaxgpt.runs.rundir import write_atomic
 
 STORE_FORMAT = "jaxgpt token store"
 STORE_VERSION = 1
 SPLITS = ("train", "val")
 INDEX, LISTING = "index.json", "listing.json"
-
-
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("JAXGPT_CACHE") or Path.home() / ".cache" / "jaxgpt")
 
 
 def listing_sha(listing: list[list]) -> str:

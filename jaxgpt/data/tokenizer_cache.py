@@ -18,7 +18,7 @@ from pathlib import Path
 
 from jaxgpt.config import DataConfig
 from jaxgpt.data.documents import Source
-from jaxgpt.tokenizer import BPE, CHAR, Tokenizer, build_tokenizer
+from jaxgpt.data.tokenizer import BPE, CHAR, Tokenizer, build_tokenizer
 
 _SAMPLE_RESOLUTION = 1 << 32
 

@@ -1,8 +1,8 @@
 """The seam's interface: what the model asks of a backend's kernels.
 
-The model (`jaxgpt.model`, `jaxgpt.layers`) is written once, in plain Flax; each heavy
+The model (`jaxgpt.model.decoder`, `jaxgpt.model.layers`) is written once, in plain Flax; each heavy
 operation it runs is a field of the `Kernels` it is handed. Shapes follow the legend in
-`jaxgpt.model`; `dtype` arguments are the compute dtype (`model.dtype`).
+`jaxgpt.model.decoder`; `dtype` arguments are the compute dtype (`model.dtype`).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ class Kernels:
     # `jax.checkpoint_policies` policy); None: everything autodiff keeps.
     scan_remat_policy: Callable[..., Any] | None = None
     # Whether the norms and the activation recompute their float32 intermediates in the backward
-    # pass instead of keeping them (`jaxgpt.layers.recomputed`): several times their input's size
+    # pass instead of keeping them (`jaxgpt.model.layers.recomputed`): several times their input's size
     # and cheap to compute again. Off for sets whose scan remat policy already decides what a
     # block keeps (the CPU's).
     recompute_elementwise: bool = True

@@ -15,10 +15,16 @@ import jax
 import jax.numpy as jnp
 
 from jaxgpt.kernels.base import Kernels
-from jaxgpt.kernels.cpu_attention import (REMAT_TILE, TILED_TRAIN_CONTEXT, blocked_causal_attention,
-                                          causal_query_blocks)
-from jaxgpt.kernels.cpu_matmul import (BF16_ATTENTION_SAVED, BF16_MATMUL_SAVED, bf16_causal_attention, bf16_matmul,
-                                       cpu_bf16_dot_general, flat_dot_general, transposed_copy)
+from jaxgpt.kernels.cpu_attention import REMAT_TILE, TILED_TRAIN_CONTEXT, blocked_causal_attention, causal_query_blocks
+from jaxgpt.kernels.cpu_matmul import (
+    BF16_ATTENTION_SAVED,
+    BF16_MATMUL_SAVED,
+    bf16_causal_attention,
+    bf16_matmul,
+    cpu_bf16_dot_general,
+    flat_dot_general,
+    transposed_copy,
+)
 
 
 def _flat(matmul: Any, h_BTC: jax.Array, w: jax.Array) -> jax.Array:

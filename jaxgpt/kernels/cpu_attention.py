@@ -4,7 +4,7 @@ XLA's own attention (`jax.nn.dot_product_attention`) computes the whole [T, T] s
 and, on a CPU, runs its softmax backward slowly. These skip the masked upper triangle, and the
 tiles bound what a backward pass holds. `cpu.f32_attention` picks among them
 (docs/performance.md); bfloat16 compute has its own (`cpu_matmul.bf16_causal_attention`).
-Shapes follow the legend in `jaxgpt.model`.
+Shapes follow the legend in `jaxgpt.model.decoder`.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ only q, k, v, the output and a log-sum-exp per row for the backward pass. Here:
   Cached decoding, one or a few queries against the cache, takes the portable attention, which
   is what MaxText decodes with too.
 * Grouped KV heads go through the kernel's own forms: its MHA form with K KV heads (the query
-  heads of a group consecutive, as `jaxgpt.layers` lays them out), its MQA form for one.
+  heads of a group consecutive, as `jaxgpt.model.layers` lays them out), its MQA form for one.
 * Blocks: T is padded up to a multiple of 128 (the TPU's lanes); the block is the largest
   multiple of 128 up to `MAX_BLOCK` (MaxText's 512, clipped to the sequence) that divides it.
   Padded keys come after every real query, so the causal mask hides them; padded queries' rows

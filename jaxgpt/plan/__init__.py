@@ -62,7 +62,7 @@ def plans(cfgs: Sequence[RunConfig], target_name: str | None = None, *, fit: boo
 
 def plan_groups(groups: Sequence[tuple[RunConfig, int]], target_name: str | None = None, *,
                 headroom: float = HEADROOM, echo: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
-    """Each sweep group's plan ((its shared config, its member count): `jaxgpt.sweep_mesh`) on the
+    """Each sweep group's plan ((its shared config, its member count): `jaxgpt.train.sweep_mesh`) on the
     target called `target_name`, in one compile process, or on this machine's devices (None): its
     layout, per-chip memory and `fits`; {"error": ...} or {"failure": ...} as in `plans`."""
     if target_name is None:

@@ -25,11 +25,11 @@ import threading
 from typing import Any, Callable
 
 from jaxgpt.config import ConfigError
-from jaxgpt.platforms import installed_plugins
 from jaxgpt.plan.targets import Target
+from jaxgpt.process.platforms import installed_plugins
 
 INSTALL = "pip install 'jaxgpt[targets]'"
-KEEP_PLUGINS = "JAXGPT_KEEP_PLUGINS"  # read by jaxgpt.platforms: the worker needs the CUDA plugin
+KEEP_PLUGINS = "JAXGPT_KEEP_PLUGINS"  # read by jaxgpt.process.platforms: the worker needs the CUDA plugin
 # Lines the compilers print while they load, which say nothing about the plan.
 NOISE = [re.compile(pattern) for pattern in (
     r"WARNING: All log messages before absl::InitializeLog\(\) is called are written to STDERR",

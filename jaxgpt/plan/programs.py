@@ -7,6 +7,7 @@ and XLA's `memory_analysis()` of each compiled program gives its per-device byte
     figures = compile_train(cfg, mesh)   # {"argument_bytes": ..., "temp_bytes": ..., "total_bytes": ...}
     figures = compile_eval(cfg, mesh)    # the sharded eval step
     figures = compile_decode(cfg, mesh)  # the sampler's prefill and decode loop, the larger of the two
+    figures = compile_group(cfg, 8, devices)  # a sweep group of 8 members, one vmapped train step
 
 A compiler that refuses a program for memory (the TPU's says RESOURCE_EXHAUSTED when the
 temporaries alone exceed the chip) gives `{"refused": its message, "total_bytes": what it said
@@ -15,20 +16,21 @@ the program needs, "available_bytes": what it said the chip has}` instead of rai
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 import re
 import time
 from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import Mesh
 
-from jaxgpt import parallel
 from jaxgpt.config import RunConfig
 from jaxgpt.kernels import Kernels
-from jaxgpt.step import TrainState, window_length
+from jaxgpt.train import sharding
+from jaxgpt.train.optim import OptHParams
+from jaxgpt.train.step import TrainState, window_length
+from jaxgpt.train.sweep_mesh import GroupPrograms, group_mesh, layout_for
 
 MEMORY_FIELDS = {
     "argument_bytes": "argument_size_in_bytes",
@@ -71,15 +73,6 @@ def device_memory_bytes(device: jax.Device) -> int | None:
     return int(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
 
 
-def _per_device_bytes(tree: Any) -> int:
-    """Bytes one device holds of a tree of placed `ShapeDtypeStruct`s (the first device's share)."""
-    total = 0
-    for leaf in jax.tree_util.tree_leaves(tree):
-        shape = leaf.sharding.shard_shape(leaf.shape) if getattr(leaf, "sharding", None) else leaf.shape
-        total += int(np.prod(shape)) * np.dtype(leaf.dtype).itemsize
-    return total
-
-
 def compile_lowered(lowered: Any, arguments: Any, compiler_options: dict[str, Any] | None = None
                     ) -> dict[str, Any]:
     """`memory_figures` of `lowered` compiled, with `compile_s`; a refusal for memory is a record
@@ -93,7 +86,7 @@ def compile_lowered(lowered: Any, arguments: Any, compiler_options: dict[str, An
             raise
         message = str(error).strip().splitlines()[0]
         temp, used = _stated_bytes(message, _TEMPORARIES), _stated_bytes(message, _USED)
-        total = used if used is not None else None if temp is None else temp + _per_device_bytes(arguments)
+        total = used if used is not None else None if temp is None else temp + sharding.bytes_per_device(arguments)
         return {"refused": message, "temp_bytes": temp, "total_bytes": total,
                 "available_bytes": _stated_bytes(message, _AVAILABLE)}
     return {**memory_figures(compiled), "custom_calls": custom_calls(compiled),
@@ -118,29 +111,21 @@ def custom_calls(compiled: Any) -> list[str]:
 
 def planned_memory(cfg: RunConfig, mesh: Mesh | None) -> dict[str, Any]:
     """Bytes of params and optimiser state per device, from shapes alone (nothing allocated)."""
-    shapes = parallel.state_shapes(cfg)
-    if mesh is None:
-        state = shapes
-    else:
-        shardings = parallel.state_shardings(mesh, shapes, mesh.shape["fsdp"])
-        state = jax.tree_util.tree_map(lambda leaf, sh: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sh),
-                                       shapes, shardings)
+    state = sharding.state_shapes(cfg) if mesh is None else abstract_state(cfg, mesh)
     return {"mesh": None if mesh is None else {axis: int(size) for axis, size in mesh.shape.items()},
-            "params_bytes_per_device": _per_device_bytes(state.params),
-            "opt_state_bytes_per_device": _per_device_bytes(state.opt_state)}
+            "params_bytes_per_device": sharding.bytes_per_device(state.params),
+            "opt_state_bytes_per_device": sharding.bytes_per_device(state.opt_state)}
 
 
 def abstract_state(cfg: RunConfig, mesh: Mesh) -> TrainState:
     """The train state as `ShapeDtypeStruct`s in the shardings it trains in on `mesh`."""
-    shapes = parallel.state_shapes(cfg)
-    shardings = parallel.state_shardings(mesh, shapes, mesh.shape["fsdp"])
-    return jax.tree_util.tree_map(lambda leaf, sh: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sh),
-                                  shapes, shardings)
+    shapes = sharding.state_shapes(cfg)
+    return sharding.placed(shapes, sharding.state_shardings(mesh, shapes, mesh.shape["fsdp"]))
 
 
 def _batch(cfg: RunConfig, mesh: Mesh) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct((cfg.train.batch_size, window_length(cfg.model)), jnp.int32,
-                                sharding=parallel.batch_sharding(mesh))
+                                sharding=sharding.batch_sharding(mesh))
 
 
 def _shardings(tree: Any) -> Any:
@@ -151,10 +136,10 @@ def compile_train(cfg: RunConfig, mesh: Mesh, compiler_options: dict[str, Any] |
                   kernels: Kernels | None = None) -> dict[str, Any]:
     """The sharded train step (its state donated) on `mesh`: `compile_lowered`'s record with the
     mesh and the lowering seconds. `kernels`: by default those chosen for the model."""
-    parallel.check_batch(cfg.train, mesh.shape["data"], mesh.shape["fsdp"])
+    sharding.check_batch(cfg.train, mesh.shape["data"], mesh.shape["fsdp"])
     state, batch = abstract_state(cfg, mesh), _batch(cfg, mesh)
     start = time.perf_counter()
-    lowered = parallel.sharded_train_step(cfg, mesh, _shardings(state), kernels).lower(state, batch)
+    lowered = sharding.sharded_train_step(cfg, mesh, _shardings(state), kernels).lower(state, batch)
     lower_s = time.perf_counter() - start
     return {"mesh": {axis: int(size) for axis, size in mesh.shape.items()},
             **compile_lowered(lowered, (state, batch), compiler_options), "lower_s": round(lower_s, 3)}
@@ -163,7 +148,7 @@ def compile_train(cfg: RunConfig, mesh: Mesh, compiler_options: dict[str, Any] |
 def compile_eval(cfg: RunConfig, mesh: Mesh) -> dict[str, Any]:
     """The sharded eval step on `mesh`, at the train batch (as the training loop evaluates)."""
     params, batch = abstract_state(cfg, mesh).params, _batch(cfg, mesh)
-    lowered = parallel.sharded_eval_step(cfg, mesh, _shardings(params)).lower(params, batch)
+    lowered = sharding.sharded_eval_step(cfg, mesh, _shardings(params)).lower(params, batch)
     return compile_lowered(lowered, (params, batch))
 
 
@@ -171,22 +156,35 @@ def compile_decode(cfg: RunConfig, mesh: Mesh) -> dict[str, Any]:
     """The sampler's two programs (`generate.lower_decoding`) for one prompt and the samples the
     training loop draws (`train.sample_tokens`), the params in their training shardings: the
     figures of the one that needs more."""
-    from jaxgpt.generate import lower_decoding
+    from jaxgpt.evaluation.generate import lower_decoding
 
     params = abstract_state(cfg, mesh).params
     lowered = lower_decoding(params, cfg.model, max_new_tokens=max(cfg.train.sample_tokens, 1),
-                             placed=parallel.replicated(mesh))
+                             placed=sharding.replicated(mesh))
     records = {name: compile_lowered(program, params) for name, program in lowered.items()}
     worst = max(records, key=lambda name: records[name]["total_bytes"] or 0)
     return {"program": worst, **records[worst]}
 
 
-def with_batch(cfg: RunConfig, batch_size: int) -> RunConfig:
-    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_size=batch_size))
+def compile_group(cfg: RunConfig, n_members: int, devices: Sequence[jax.Device]) -> dict[str, Any]:
+    """The group's train step compiled from shapes on `devices` (this machine's, or a target's
+    compile-only ones): its layout and `compile_lowered`'s per-device record."""
+    layout = layout_for(cfg, n_members, devices)
+    programs = GroupPrograms(cfg, group_mesh(layout, devices), n_members)
+    state = sharding.placed(programs.state_shapes, programs.state_shardings)
+    batch = jax.ShapeDtypeStruct((n_members, cfg.train.batch_size, window_length(cfg.model)), jnp.int32,
+                                 sharding=programs.rows)
+    scalar = functools.partial(jax.ShapeDtypeStruct, (n_members,), sharding=programs.replicated)
+    hparams = OptHParams(*(scalar(jnp.int32 if name == "warmup_steps" else jnp.float32)
+                           for name in OptHParams._fields))
+    start = time.perf_counter()
+    lowered = programs.step.lower(state, batch, hparams, scalar(jnp.int32))
+    return {"mesh": {"members": layout.members, "data": layout.data}, "devices": layout.devices,
+            **compile_lowered(lowered, (state, batch)), "lower_s": round(time.perf_counter() - start, 3)}
 
 
 def mesh_for(cfg: RunConfig, devices: Sequence[jax.Device]) -> Mesh:
     """The mesh `cfg` trains on over `devices`: all of them in the sharded and pmap modes (pmap's
     per-device memory is data parallelism's), the first alone in the single mode."""
-    mode = parallel.resolve_mode(cfg.train, len(devices))
-    return parallel.make_mesh(cfg.train, devices if mode != "single" else list(devices)[:1])
+    mode = sharding.resolve_mode(cfg.train, len(devices))
+    return sharding.make_mesh(cfg.train, devices if mode != "single" else list(devices)[:1])

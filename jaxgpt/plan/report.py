@@ -11,12 +11,11 @@ from typing import Any, Callable, Sequence
 
 import jax
 
-from jaxgpt import parallel
 from jaxgpt.config import RunConfig
 from jaxgpt.errors import UserError
 from jaxgpt.kernels import choose_kernels
-from jaxgpt.plan.programs import (compile_decode, compile_eval, compile_train, mesh_for, planned_memory,
-                                  with_batch)
+from jaxgpt.plan.programs import compile_decode, compile_eval, compile_group, compile_train, mesh_for, planned_memory
+from jaxgpt.train import sharding
 
 HEADROOM = 0.9  # a program fits when it needs at most this share of a device's memory
 PROGRAMS = ("train", "eval", "decode")
@@ -42,7 +41,7 @@ def plan_on(cfg: RunConfig, devices: Sequence[jax.Device], device_bytes: int | N
     they fit `headroom` of `device_bytes` (None where the memory is unknown). `fit`: first find
     the largest global batch that fits (`largest_batch`; an integer: the largest up to that
     many rows) and plan that one."""
-    mode = parallel.resolve_mode(cfg.train, len(devices))
+    mode = sharding.resolve_mode(cfg.train, len(devices))
     mesh = mesh_for(cfg, devices)
     record: dict[str, Any] = {"mode": mode, "kernels": choose_kernels(cfg.model).name}
     largest = None
@@ -57,7 +56,7 @@ def plan_on(cfg: RunConfig, devices: Sequence[jax.Device], device_bytes: int | N
         else:
             largest = largest_batch(cfg, mesh, device_bytes, headroom, progress,
                                     most=None if fit is True else int(fit), fixed=state_bytes)
-    record.update(_programs(with_batch(cfg, largest) if largest else cfg, mesh, device_bytes, programs, headroom))
+    record.update(_programs(cfg.replace("train", batch_size=largest) if largest else cfg, mesh, device_bytes, programs, headroom))
     if fit and largest is not None and record["fits"] is False:
         # Eval or sampling, beside the resident optimiser state, needs more than the train step:
         # search again below, each batch judged by every program.
@@ -66,7 +65,7 @@ def plan_on(cfg: RunConfig, devices: Sequence[jax.Device], device_bytes: int | N
             return None if _refused(planned["compiled"]) else planned["peak_bytes"]
 
         largest = largest_batch(cfg, mesh, device_bytes, headroom, progress, below=largest, measure=every_program)
-        record.update(_programs(with_batch(cfg, largest) if largest else cfg, mesh, device_bytes, programs, headroom))
+        record.update(_programs(cfg.replace("train", batch_size=largest) if largest else cfg, mesh, device_bytes, programs, headroom))
     if fit:
         record["largest_batch"] = largest
     return record
@@ -91,9 +90,8 @@ def _programs(cfg: RunConfig, mesh: Any, device_bytes: int | None, programs: Seq
 
 def plan_group_on(cfg: RunConfig, n_members: int, devices: Sequence[jax.Device], device_bytes: int | None,
                   headroom: float = HEADROOM) -> dict[str, Any]:
-    """A sweep group's train step (`n_members` members of `cfg`, `jaxgpt.sweep_mesh`) compiled for
+    """A sweep group's train step (`n_members` members of `cfg`, `jaxgpt.train.sweep_mesh`) compiled for
     `devices`: its layout, per-device memory and whether it fits `headroom` of `device_bytes`."""
-    from jaxgpt.sweep_mesh import compile_group
 
     compiled = {**compile_group(cfg, n_members, devices), "device_bytes": device_bytes}
     total = compiled.get("total_bytes")
@@ -129,7 +127,7 @@ def largest_batch(cfg: RunConfig, mesh: Any, device_bytes: int, headroom: float 
     seen: dict[int, int | None] = {}
 
     def fits(batch: int) -> bool:
-        total = seen[batch] = measure(with_batch(cfg, batch))
+        total = seen[batch] = measure(cfg.replace("train", batch_size=batch))
         ok = total is not None and total <= limit
         if progress:
             progress(f"batch {batch}: {'fits' if ok else 'does not fit'}"

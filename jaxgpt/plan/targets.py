@@ -12,11 +12,11 @@ when a program exceeds it, for GPUs the card's memory in its device description 
 
 from __future__ import annotations
 
-import difflib
 from dataclasses import dataclass
 from importlib import resources
 
 from jaxgpt.config import ConfigError
+from jaxgpt.errors import nearest
 
 GIB = 2**30
 
@@ -156,7 +156,7 @@ def target(name: str) -> Target:
     """The target called `name`; an unknown one is a ConfigError naming the nearest known names."""
     found = _parse(name.strip().lower())
     if found is None:
-        near = difflib.get_close_matches(name.strip().lower(), known_names(), n=3, cutoff=0.5)
+        near = nearest(name.strip().lower(), known_names(), n=3)
         hint = f"; nearest: {', '.join(near)}" if near else ""
         raise ConfigError(f"unknown target {name!r}{hint} (TPUs as v4-8, v5e-1, v5e-8, v5p-8, v6e-4, ...; GPUs as "
                           "a100-N, h100-N, h200-N)")

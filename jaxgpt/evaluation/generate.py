@@ -1,0 +1,440 @@
+"""Sampling from the decoder: greedy, temperature, top-k, top-p, on a KV cache, compiled end to end.
+
+    tokens_B = sample_logits(logits_BV, rng, temperature=0.8, top_k=50, top_p=0.95)
+    for new_B in generate_tokens(params, cfg, prompts, 100, seed=0): ...   # streamed in chunks
+    continuations = generate(params, cfg, prompts, 100, temperature=0.0)  # list[list[int]]
+    generate(params, cfg, prompts, 100, temperature=0.0, speculative=True) # same tokens, fewer passes
+
+How a batch is decoded (each rule keeps one sequence's tokens independent of its batchmates):
+- Prompts (at most `context_length` tokens: a longer one is an error, not a silent crop) are
+  right-padded to a bucket (the next power of two, at most `context_length`, or the caller's
+  `prompt_width`) and prefilled together; each row's cache index is then
+  set to its own length, so its later writes overwrite the padding (attention never reads keys
+  past the query's position).
+- The decode loop is a `lax.while_loop` on device: one forward pass per iteration for every row,
+  the whole sequence kept in a device buffer. The host only asks for "decode until every row has
+  N new tokens", so streaming costs one call per chunk, not one per token.
+- The cache holds `context_length` positions. When a row's cache is full and another token must
+  go in, that row alone slides: its cache is rebuilt by prefilling the last
+  `max(1, context_length // 2)` tokens of its sequence (the new token included), and decoding
+  continues from there. So the window a prediction sees is the sequence from the row's last slide
+  point on, never longer than `context_length`: nanoGPT's crop, but re-encoded only every
+  `context_length // 2` steps instead of every step.
+- Speculative decoding (greedy, `mtp_depth >= 1`): the MTP adapters read at a row's newest
+  position draft the `mtp_depth` tokens after the next one; one cached forward pass over the
+  pending token and its drafts gives the greedy token at each of those positions; drafts are kept
+  while they equal it. A pass yields 1 to 1 + mtp_depth tokens, exactly plain greedy's.
+- Steps draw from `fold_in(key(seed), step)`, so a seed fixes the samples.
+
+Compiled functions are module-level `jax.jit`s with the config and sampling options static, so
+repeated calls (a sample at every eval) reuse them: one prefill per (cfg, batch, bucket,
+buffer size, options) and one decode loop per (cfg, batch, buffer size, options); the buffer
+size is a power of two.
+
+Array names follow the shape legend in `jaxgpt.model.decoder` (S is the cache's length, `context_length`),
+with a few of this file's own: N the sequence buffer, P the prompt bucket, J the tokens fed in one
+pass, W the window a sliding row re-encodes, and D the drafts (`mtp_depth`), as in step.py's depth axis.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxgpt.config import ModelConfig
+from jaxgpt.errors import UserError
+from jaxgpt.kernels import choose_kernels
+from jaxgpt.model.decoder import Cache, Params, forward_cached, init_cache
+
+# A finished row (one that produced `stop_token`) yields this from then on.
+FINISHED = -1
+
+# Cumulative float32 sums drift by a few ulps; without this slack a nucleus whose mass is exactly
+# top_p (0.5 + 0.3 for top_p = 0.8) could pull in one token more than the definition allows.
+_TOP_P_SLACK = 1e-6
+
+
+def _check_options(temperature: float, top_k: int | None, top_p: float | None) -> None:
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0):
+        raise UserError(f"temperature must be a finite number >= 0 (0 means greedy), got {temperature!r}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise UserError(f"top_k must be an integer >= 1 or None, got {top_k!r}")
+    if top_p is not None and not (isinstance(top_p, (int, float)) and 0.0 < top_p <= 1.0):
+        raise UserError(f"top_p must be in (0, 1] or None, got {top_p!r}")
+
+
+def sample_logits(
+    logits_BV: jax.Array, rng: jax.Array, *, temperature: float, top_k: int | None, top_p: float | None,
+    vocab_limit: int | None = None,
+) -> jax.Array:
+    """One token per row [B] int32. Pure; jit it with the three options static.
+
+    temperature 0 is greedy (argmax, `rng` unused). Otherwise the logits are divided by the
+    temperature, cut to the `top_k` largest (ties with the k-th are kept), then to the smallest
+    set of most likely tokens whose probability reaches `top_p` (the most likely token always
+    stays), and one token is drawn with `jax.random.categorical`. `vocab_limit` excludes the ids
+    from it on (a model whose vocab_size exceeds its tokenizer's has rows no text maps to).
+    """
+    _check_options(temperature, top_k, top_p)
+    logits_BV = jnp.asarray(logits_BV, jnp.float32)
+    if vocab_limit is not None and vocab_limit < logits_BV.shape[-1]:
+        logits_BV = jnp.where(jnp.arange(logits_BV.shape[-1]) < vocab_limit, logits_BV, -jnp.inf)
+    if temperature == 0:
+        return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+    logits_BV = logits_BV / temperature
+    V = logits_BV.shape[-1]
+    if top_k is not None and top_k < V:
+        kth_B1 = jax.lax.top_k(logits_BV, top_k)[0][:, -1:]
+        logits_BV = jnp.where(logits_BV < kth_B1, -jnp.inf, logits_BV)
+    if top_p is not None and top_p < 1.0:
+        sorted_BV = -jnp.sort(-logits_BV, axis=-1)  # descending
+        probs_BV = jax.nn.softmax(sorted_BV, axis=-1)
+        mass_before_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV
+        # A token is in the nucleus while the mass of the more likely ones is still short of
+        # top_p; the first has mass_before 0 < top_p, so at least one token stays.
+        n_keep_B = jnp.sum(mass_before_BV < top_p - _TOP_P_SLACK, axis=-1)
+        threshold_B1 = jnp.take_along_axis(sorted_BV, n_keep_B[:, None] - 1, axis=-1)
+        logits_BV = jnp.where(logits_BV < threshold_B1, -jnp.inf, logits_BV)
+    return jax.random.categorical(rng, logits_BV, axis=-1).astype(jnp.int32)
+
+
+_STATIC = ("cfg", "temperature", "top_k", "top_p", "vocab_limit", "draft")
+
+
+def _cache_for(cfg: ModelConfig, batch: int, draft: int) -> Cache:
+    """context_length positions, plus `draft` slots a speculative block may write past the end."""
+    cache = init_cache(cfg, batch, cfg.context_length)
+    if draft:
+        pad = ((0, 0), (0, 0), (0, draft), (0, 0), (0, 0))
+        cache = {**cache, "k": jnp.pad(cache["k"], pad), "v": jnp.pad(cache["v"], pad)}
+    return cache
+
+
+def _at(x_BT: jax.Array, pos_B: jax.Array) -> jax.Array:
+    """Row b's entry at position pos_B[b] along axis 1 (x_BT[b, pos_B[b], ...])."""
+    pos = pos_B.reshape(pos_B.shape + (1,) * (x_BT.ndim - 1))
+    return jnp.take_along_axis(x_BT, pos, axis=1)[:, 0]
+
+
+def _next_tokens(logits: jax.Array, pos_B: jax.Array, rng: jax.Array, draft: int,
+                 options: dict[str, Any]) -> tuple[jax.Array, jax.Array]:
+    """The sampled next token [B] at each row's position, and the adapters' greedy drafts [B, draft]."""
+    main = logits[0] if draft else logits
+    return sample_logits(_at(main, pos_B), rng, **options), _drafts(logits, pos_B, draft)
+
+
+def _drafts(logits: jax.Array, pos_B: jax.Array, draft: int) -> jax.Array:
+    """The adapters' greedy drafts [B, draft] read at each row's position ([B, 0] without drafts)."""
+    if not draft:
+        return jnp.zeros((pos_B.shape[0], 0), jnp.int32)
+    ahead_DBV = jax.vmap(lambda l: _at(l, pos_B))(logits[1: 1 + draft])
+    return jnp.argmax(ahead_DBV, axis=-1).T.astype(jnp.int32)
+
+
+def _select(take_B: jax.Array, a: Any, b: Any) -> Any:
+    """Per row: `a` where take_B, else `b`. Cache k/v carry the batch on axis 1, the rest on axis 0."""
+    def pick(x, y):
+        axis = 1 if x.ndim == 5 else 0
+        shape = [1] * x.ndim
+        shape[axis] = -1
+        return jnp.where(take_B.reshape(shape), x, y)
+    return jax.tree_util.tree_map(pick, a, b)
+
+
+def _append(state: dict[str, Any], block_BJ: jax.Array, n_new_B: jax.Array, stop_token: jax.Array) -> dict[str, Any]:
+    """Write each row's first n_new tokens of `block` at its end; a stop token among them ends the row."""
+    length_B = state["length"]
+    seq = jax.vmap(lambda row, new, at: jax.lax.dynamic_update_slice(row, new, (at,)))(
+        state["seq"], block_BJ, length_B)
+    hit_BJ = (block_BJ == stop_token) & (jnp.arange(block_BJ.shape[1]) < n_new_B[:, None])
+    first_B = jnp.argmax(hit_BJ, axis=1)
+    end_B = jnp.where(hit_BJ.any(axis=1), jnp.minimum(state["end"], length_B + first_B + 1), state["end"])
+    return {**state, "seq": seq, "length": length_B + n_new_B, "end": end_B}
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC + ("size",))
+def _start(
+    params: Params, tokens_BP: jax.Array, lengths_B: jax.Array, max_new: jax.Array, stop_token: jax.Array,
+    key: jax.Array, *, size: int, cfg: ModelConfig, temperature: float, top_k: int | None,
+    top_p: float | None, vocab_limit: int | None, draft: int,
+) -> dict[str, Any]:
+    """Prefill right-padded prompts and sample each row's first token at its own length."""
+    options = dict(temperature=temperature, top_k=top_k, top_p=top_p, vocab_limit=vocab_limit)
+    B, P = tokens_BP.shape
+    logits, cache = forward_cached(params, cfg, tokens_BP, _cache_for(cfg, B, draft), all_depths=draft > 0,
+                                   fresh=True, kernels=choose_kernels(cfg))
+    cache["index"] = lengths_B  # each row's later writes start at its true end, over the padding
+    tokens_B, drafts_BD = _next_tokens(logits, lengths_B - 1, jax.random.fold_in(key, 0), draft, options)
+    state = {
+        "seq": jnp.zeros((B, size), jnp.int32).at[:, :P].set(tokens_BP),
+        "length": lengths_B, "prompt_length": lengths_B, "end": lengths_B + max_new,
+        "cache": cache, "drafts": drafts_BD, "step": jnp.ones((), jnp.int32),
+        "drafted": jnp.zeros((), jnp.int32), "accepted": jnp.zeros((), jnp.int32),
+    }
+    return _append(state, tokens_B[:, None], jnp.ones_like(lengths_B), stop_token)
+
+
+def _step(params: Params, state: dict[str, Any], stop_token: jax.Array, key: jax.Array, *,
+          cfg: ModelConfig, draft: int, **options: Any) -> dict[str, Any]:
+    """One forward pass per row: feed the pending token (and its drafts), append what it yields.
+
+    The cache holds the row's window but its last token (`pending`, seq[length - 1]). A row whose
+    cache is full slides instead: it re-prefills its last `slide_length` tokens. With drafts, the
+    greedy tokens at each fed position are the plain greedy continuation; the drafts that equal
+    them are accepted (never past the window's end, where plain decoding would slide), and the
+    first greedy token that differs from its draft comes free with them.
+    """
+    S, W = cfg.context_length, slide_length(cfg)
+    seq_BN, length_B, cache = state["seq"], state["length"], state["cache"]
+    active_B = length_B < state["end"]
+    full_B = cache["index"] >= S
+    rng = jax.random.fold_in(key, state["step"])
+    pending_B = _at(seq_BN, length_B - 1)
+    fed_BJ = jnp.concatenate([pending_B[:, None], state["drafts"]], axis=1)
+    logits, stepped_cache = forward_cached(params, cfg, fed_BJ, cache, all_depths=draft > 0,
+                                           kernels=choose_kernels(cfg))
+    if draft:
+        greedy_BJ = jnp.argmax(logits[0], axis=-1).astype(jnp.int32)
+        agree_B = jnp.cumprod(greedy_BJ[:, :draft] == state["drafts"], axis=1).sum(axis=1)
+        agree_B = jnp.clip(agree_B, 0, S - 1 - cache["index"]).astype(jnp.int32)
+        stepped = (greedy_BJ, agree_B + 1, _drafts(logits, agree_B, draft))
+    else:
+        tokens_B, drafts_BD = _next_tokens(logits, jnp.zeros_like(length_B), rng, draft, options)
+        stepped = (tokens_B[:, None], jnp.ones_like(length_B), drafts_BD)
+        agree_B = jnp.zeros_like(length_B)
+    stepped_cache = {**stepped_cache, "index": cache["index"] + stepped[1]}
+
+    def slide(_):
+        window_BW = jax.vmap(lambda row, at: jax.lax.dynamic_slice(row, (at,), (W,)))(
+            seq_BN, jnp.maximum(length_B - W, 0))
+        logits, fresh = forward_cached(params, cfg, window_BW, _cache_for(cfg, seq_BN.shape[0], draft),
+                                       all_depths=draft > 0, fresh=True, kernels=choose_kernels(cfg))
+        tokens_B, drafts_BD = _next_tokens(logits, jnp.full_like(length_B, W - 1), rng, draft, options)
+        block_BJ = jnp.zeros_like(stepped[0]).at[:, 0].set(tokens_B)
+        return _select(full_B, ((block_BJ, jnp.ones_like(length_B), drafts_BD), fresh), (stepped, stepped_cache))
+
+    (block_BJ, n_new_B, drafts_BD), new_cache = jax.lax.cond(
+        (full_B & active_B).any(), slide, lambda _: (stepped, stepped_cache), None)
+    counted_B = active_B & ~full_B
+    new = _append({**state, "cache": new_cache, "drafts": drafts_BD}, block_BJ, n_new_B, stop_token)
+    new["step"] = state["step"] + 1
+    new["drafted"] = state["drafted"] + draft * counted_B.sum(dtype=jnp.int32)
+    new["accepted"] = state["accepted"] + jnp.where(counted_B, agree_B, 0).sum(dtype=jnp.int32)
+    # A finished row stays where it was. Its later writes land at or past its end, in sequence
+    # slots and cache positions nothing reads again, so only its counters need holding (selecting
+    # whole caches would cost more than the step's matmuls at batch one).
+    new["length"] = jnp.where(active_B, new["length"], length_B)
+    new["drafts"] = jnp.where(active_B[:, None], new["drafts"], state["drafts"])
+    new["cache"] = {**new["cache"], "index": jnp.where(active_B, new["cache"]["index"], cache["index"])}
+    return new
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("state",))
+def _advance(
+    params: Params, state: dict[str, Any], target: jax.Array, stop_token: jax.Array, key: jax.Array, *,
+    cfg: ModelConfig, temperature: float, top_k: int | None, top_p: float | None, vocab_limit: int | None,
+    draft: int,
+) -> dict[str, Any]:
+    """Decode on device until every unfinished row holds at least `target` new tokens."""
+    options = dict(temperature=temperature, top_k=top_k, top_p=top_p, vocab_limit=vocab_limit)
+
+    def unfinished(s):
+        goal_B = jnp.minimum(s["end"], s["prompt_length"] + target)
+        return (s["length"] < goal_B).any()
+
+    def step(s):
+        return _step(params, s, stop_token, key, cfg=cfg, draft=draft, **options)
+
+    return jax.lax.while_loop(unfinished, step, state)
+
+
+def buffer_size(cfg: ModelConfig, prompt_width: int, max_new_tokens: int, draft: int) -> int:
+    """The sequence buffer: room for the prompt, the new tokens, one block past the last and its
+    unused write, and at least one sliding window (the slide branch is compiled even when no row
+    will reach it), to the next power of two."""
+    return 1 << (max(prompt_width + max_new_tokens + 2 * (draft + 1), slide_length(cfg)) - 1).bit_length()
+
+
+def lower_decoding(params: Any, cfg: ModelConfig, *, batch: int = 1, prompt_width: int = 1,
+                   max_new_tokens: int = 200, temperature: float = 0.8, top_k: int | None = 40,
+                   top_p: float | None = None, placed: Any = None) -> dict[str, jax.stages.Lowered]:
+    """The two programs `generate_tokens` runs (the prefill, "start", and the decode loop,
+    "advance") for `batch` prompts of `prompt_width` tokens, lowered from shapes: `params` may be
+    `jax.ShapeDtypeStruct`s (with their shardings), and `placed` is the sharding of every other
+    argument (default: JAX's default device). Nothing is computed; a plan compiles them."""
+    options = dict(cfg=cfg, temperature=float(temperature), top_k=top_k, top_p=top_p, vocab_limit=None, draft=0)
+    size = buffer_size(cfg, prompt_width, max_new_tokens, 0)
+
+    def spec(shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(shape, dtype, **({} if placed is None else {"sharding": placed}))
+
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    key = spec(key.shape, key.dtype)
+    scalar = spec((), jnp.int32)
+    start_args = (params, spec((batch, prompt_width), jnp.int32), spec((batch,), jnp.int32), scalar, scalar, key)
+    state = jax.eval_shape(functools.partial(_start, size=size, **options), *start_args)
+    state = jax.tree_util.tree_map(lambda leaf: spec(leaf.shape, leaf.dtype), state)
+    return {"start": _start.lower(*start_args, size=size, **options),
+            "advance": _advance.lower(params, state, scalar, scalar, key, **options)}
+
+
+def bucket_length(length: int, context_length: int) -> int:
+    """Prefill width: the next power of two, at most context_length (few shapes, few compiles)."""
+    return min(1 << max(0, length - 1).bit_length(), context_length)
+
+
+def slide_length(cfg: ModelConfig) -> int:
+    """How many tokens a full row keeps when it slides its window."""
+    return max(1, cfg.context_length // 2)
+
+
+def _check_prompts(cfg: ModelConfig, prompts: Sequence[Any]) -> list[np.ndarray]:
+    if len(prompts) == 0:
+        raise UserError("prompts is empty: give at least one prompt")
+    checked = []
+    for i, prompt in enumerate(prompts):
+        p = np.asarray(prompt)
+        if p.ndim != 1 or p.size == 0:
+            raise UserError(
+                f"prompt {i} must be a non-empty 1-D sequence of token IDs (a prompt needs at "
+                f"least one token), got shape {p.shape}"
+            )
+        if not np.issubdtype(p.dtype, np.integer):
+            raise UserError(f"prompt {i} must hold integer token IDs, got dtype {p.dtype}")
+        if p.size > cfg.context_length:
+            raise UserError(
+                f"prompt {i} has {p.size} tokens, more than model.context_length = {cfg.context_length}: "
+                f"shorten it (the model never sees more than its last {cfg.context_length} tokens)"
+            )
+        if p.min() < 0 or p.max() >= cfg.vocab_size:
+            raise UserError(
+                f"prompt {i} has token IDs outside [0, {cfg.vocab_size}) (model.vocab_size): "
+                f"[{int(p.min())}, {int(p.max())}]"
+            )
+        checked.append(p.astype(np.int32))
+    return checked
+
+
+def generate_tokens(
+    params: Params,
+    cfg: ModelConfig,
+    prompts: Sequence[Sequence[int]] | Sequence[np.ndarray],
+    max_new_tokens: int,
+    *,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int = 0,
+    stop_token: int | None = None,
+    vocab_limit: int | None = None,
+    speculative: bool = False,
+    chunk: int | None = 16,
+    stats: dict[str, Any] | None = None,
+    prompt_width: int | None = None,
+) -> Iterator[np.ndarray]:
+    """Yield the new token of each sequence, one position at a time, as numpy int32 arrays [B].
+
+    The decoding runs on device in compiled chunks of `chunk` new tokens per row (None: all of
+    them in one call); the tokens of a chunk are yielded as soon as it is done, so a caller can
+    stream them. A row that has produced `stop_token` is finished: it yields FINISHED (-1) from
+    the next position on, and the generator ends once every row is finished.
+
+    `speculative` (greedy only, needs `mtp_depth >= 1`): the MTP adapters draft the next
+    `mtp_depth` tokens and one forward pass verifies them; the output equals plain greedy
+    decoding. `stats`, if given, is filled at the end with forward_passes, drafted, accepted,
+    acceptance_rate, first_token_s (from the first `next()` to the first chunk, compiles included)
+    and tokens_per_s (the chunks after the first, decoding alone; None with a single chunk).
+    `prompt_width` sets the prefill's width (at least the longest prompt, at most
+    `context_length`; default: the longest prompt's power-of-two bucket), for a caller that keeps
+    its compiled shapes to a few of its own. Bad arguments raise ValueError here, at the call,
+    not at the first `next()`.
+    """
+    _check_options(temperature, top_k, top_p)
+    rows = _check_prompts(cfg, prompts)
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise UserError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+    if stop_token is not None and not 0 <= stop_token < cfg.vocab_size:
+        raise UserError(f"stop_token {stop_token} lies outside [0, {cfg.vocab_size}) and can never be produced")
+    if vocab_limit is not None and not 1 <= vocab_limit <= cfg.vocab_size:
+        raise UserError(f"vocab_limit must be in [1, {cfg.vocab_size}], got {vocab_limit!r}")
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+        raise UserError(f"chunk must be an integer >= 1 or None, got {chunk!r}")
+    longest = max(len(row) for row in rows)
+    if prompt_width is not None and not longest <= prompt_width <= cfg.context_length:
+        raise UserError(f"prompt_width must be in [{longest}, {cfg.context_length}] (the longest prompt, "
+                         f"model.context_length), got {prompt_width!r}")
+    if speculative and cfg.mtp_depth < 1:
+        raise UserError("speculative decoding drafts with the MTP adapters: it needs model.mtp_depth >= 1")
+    if speculative and temperature != 0:
+        raise UserError("speculative decoding is greedy: use temperature 0")
+    options = dict(cfg=cfg, temperature=float(temperature), top_k=top_k,
+                   top_p=None if top_p is None else float(top_p), vocab_limit=vocab_limit,
+                   draft=cfg.mtp_depth if speculative else 0)
+    stop = np.int32(-1 if stop_token is None else stop_token)  # -1: no token ever equals it
+    width = prompt_width or bucket_length(longest, cfg.context_length)
+    return _decode_loop(params, rows, width, max_new_tokens, jax.random.key(seed), stop,
+                        chunk or max(max_new_tokens, 1), stats, options)
+
+
+def _decode_loop(
+    params: Params, rows: list[np.ndarray], P: int, max_new_tokens: int, key: jax.Array, stop: np.int32,
+    chunk: int, stats: dict[str, Any] | None, options: dict[str, Any],
+) -> Iterator[np.ndarray]:
+    cfg: ModelConfig = options["cfg"]
+    B = len(rows)
+    lengths = np.array([len(r) for r in rows], np.int32)
+    padded = np.zeros((B, P), np.int32)
+    for i, r in enumerate(rows):
+        padded[i, : len(r)] = r
+    if max_new_tokens == 0:
+        return
+    size = buffer_size(cfg, P, max_new_tokens, options["draft"])
+    started = time.perf_counter()
+    state = _start(params, padded, lengths, np.int32(max_new_tokens), stop, key, size=size, **options)
+    emitted, first = 0, None  # first: (seconds to the first chunk, the tokens it held)
+    while True:
+        target = min(emitted + chunk, max_new_tokens)
+        state = _advance(params, state, np.int32(target), stop, key, **options)
+        seq, length, end = (np.asarray(state[k]) for k in ("seq", "length", "end"))
+        produced = np.minimum(length, end) - lengths  # the new tokens each row holds
+        finished = length >= end
+        # Every position up to the slowest unfinished row is known for all rows.
+        ready = int(produced.max() if finished.all() else produced[~finished].min())
+        if first is None:
+            first = (time.perf_counter() - started, ready)
+        for t in range(emitted, ready):
+            yield np.where(t < produced, seq[np.arange(B), np.minimum(lengths + t, seq.shape[1] - 1)],
+                           FINISHED).astype(np.int32)
+        emitted = ready
+        if finished.all() or emitted >= max_new_tokens:
+            break
+    if stats is not None:
+        drafted, accepted = int(state["drafted"]), int(state["accepted"])
+        decode_s = time.perf_counter() - started - first[0]
+        stats.update(forward_passes=int(state["step"]), drafted=drafted, accepted=accepted,
+                     acceptance_rate=accepted / drafted if drafted else None,
+                     first_token_s=round(first[0], 4),
+                     # the chunks after the first, which holds the compiles: decoding alone
+                     tokens_per_s=round((emitted - first[1]) / decode_s, 1) if emitted > first[1] and decode_s > 0
+                     else None)
+
+
+def generate(
+    params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]] | Sequence[np.ndarray],
+    max_new_tokens: int, **options: Any,
+) -> list[list[int]]:
+    """The new tokens of each sequence (up to and including `stop_token`, if it came)."""
+    continuations: list[list[int]] = [[] for _ in prompts]
+    options.setdefault("chunk", None)  # nobody reads the tokens early: one compiled call
+    for new_B in generate_tokens(params, cfg, prompts, max_new_tokens, **options):
+        for row, t in zip(continuations, new_B.tolist()):
+            if t != FINISHED:
+                row.append(t)
+    return continuations

@@ -1,0 +1,291 @@
+"""The GPT-style decoder and its pure functional interface.
+
+Shape legend (used in names such as `q_BTHD` and in einsum strings):
+    B batch, T time (sequence), S cached sequence, C model width (d_model), H query heads,
+    K kv heads, D head size, F feed-forward hidden size, V vocabulary, L layers.
+
+    params = init_params(cfg, jax.random.key(0))
+    logits_BTV = forward(params, cfg, token_ids_BT)
+    stacked = forward(params, cfg, token_ids_BT, all_depths=True)   # [1 + mtp_depth, B, T, V]
+    cache = init_cache(cfg, batch_size, max_length)
+    logits_BTV, cache = forward_cached(params, cfg, token_ids_BT, cache)
+
+`cfg` is a frozen dataclass, so it can be a static argument of `jax.jit`. `forward` and
+`forward_cached` take `kernels=`: how the matmuls, attention, head and GELU run
+(`jaxgpt.kernels.choose_kernels(cfg)` for the backend's tuned ones, as the train step and the
+generator use); the portable ones by default.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxgpt.config import ModelConfig
+from jaxgpt.errors import UserError
+from jaxgpt.kernels import PORTABLE, Kernels
+from jaxgpt.model.layers import (
+    FeedForward,
+    TransformerBlock,
+    activation_dtype,
+    compute_dtype,
+    dense_init,
+    make_norm,
+    rope_tables,
+    sinusoidal_positions,
+    write_kv,
+)
+from jaxgpt.model.token_ids import check_token_ids
+
+Params = dict[str, Any]
+Cache = dict[str, jax.Array]  # {"k": [L, B, S, K, D], "v": [L, B, S, K, D], "index": [B]}
+
+
+class MTPAdapter(nn.Module):
+    """Maps the final hidden state to one for the token `depth` steps further ahead: a pre-norm
+    residual feed-forward layer, read out through the shared head."""
+
+    cfg: ModelConfig
+    kernels: Kernels = PORTABLE
+    deterministic: bool = True
+
+    @nn.compact
+    def __call__(self, h_BTC: jax.Array) -> jax.Array:
+        return h_BTC + FeedForward(self.cfg, self.kernels, self.deterministic, name="feed_forward")(
+            make_norm(self.cfg, self.kernels, "norm")(h_BTC)
+        )
+
+
+class UntiedHead(nn.Module):
+    """The output projection [C, V] when it is not the embedding read backwards."""
+
+    cfg: ModelConfig
+    kernels: Kernels = PORTABLE
+
+    @nn.compact
+    def __call__(self, h_BTC: jax.Array) -> jax.Array:
+        cfg = self.cfg
+        kernel_CV = self.param("kernel", dense_init(cfg), (cfg.d_model, cfg.vocab_size), jnp.float32)
+        return self.kernels.untied_logits(h_BTC, kernel_CV, compute_dtype(cfg))
+
+
+class Decoder(nn.Module):
+    cfg: ModelConfig
+    kernels: Kernels = PORTABLE
+    deterministic: bool = True
+    train: bool = False  # a train step's forward pass (`layers.CausalSelfAttention.train`)
+
+    @nn.compact
+    def __call__(
+        self, token_ids_BT: jax.Array, cache: Cache | None = None, all_depths: bool = False, fresh: bool = False,
+        stop_before_head: bool = False,
+    ) -> tuple[jax.Array, Cache | None]:
+        cfg, kernels = self.cfg, self.kernels
+        B, T = token_ids_BT.shape
+        C, V = cfg.d_model, cfg.vocab_size
+        dtype = activation_dtype(cfg, kernels)
+        if cache is None:
+            positions_BT = jnp.broadcast_to(jnp.arange(T), (B, T))
+        else:
+            positions_BT = cache["index"][:, None] + jnp.arange(T)
+
+        token_embedding = nn.Embed(V, C, embedding_init=dense_init(cfg), name="token_embedding")
+        x_BTC = token_embedding(token_ids_BT)
+        rope = None
+        if cfg.position == "learned":
+            # Only speculative decoding's draft slots, whose outputs are discarded, reach past the
+            # table (a traced cache index that forward_cached cannot check). jnp.take would fill
+            # them with NaN, and masked attention would still leak 0 * NaN into every query.
+            positions_BT = jnp.minimum(positions_BT, cfg.context_length - 1)
+            x_BTC = x_BTC + nn.Embed(cfg.context_length, C, embedding_init=dense_init(cfg),
+                                     name="position_embedding")(positions_BT)
+        elif cfg.position == "sinusoidal":
+            x_BTC = x_BTC + sinusoidal_positions(positions_BT, C)
+        else:
+            rope = rope_tables(positions_BT, cfg.head_size, cfg.rope_scale, cfg.rope_base)
+        x_BTC = nn.Dropout(cfg.dropout)(x_BTC, deterministic=self.deterministic).astype(dtype)
+        chex.assert_shape(x_BTC, (B, T, C))
+
+        kv = None if cache is None or fresh else (cache["k"], cache["v"])
+        index = None if cache is None else cache["index"]
+        x_BTC, kv = self._blocks(x_BTC, rope, kv, index)
+
+        hidden_BTC = make_norm(cfg, kernels, "final_norm")(x_BTC)
+        if stop_before_head:  # what the head reads at each depth, for a loss that runs the head itself
+            adapters = [MTPAdapter(cfg, kernels, self.deterministic, name=f"mtp_{d}") for d in range(cfg.mtp_depth)]
+            return jnp.stack([hidden_BTC, *(a(hidden_BTC) for a in adapters)]), None
+        if cfg.tie_embeddings:
+            head_VC = token_embedding.embedding
+            head = lambda h_BTC: kernels.tied_logits(h_BTC, head_VC, compute_dtype(cfg))
+        else:
+            head = UntiedHead(cfg, kernels, name="lm_head")
+        logits_BTV = head(hidden_BTC)
+        chex.assert_shape(logits_BTV, (B, T, V))
+        if all_depths:
+            adapters = [MTPAdapter(cfg, kernels, self.deterministic, name=f"mtp_{d}") for d in range(cfg.mtp_depth)]
+            logits_BTV = jnp.stack([logits_BTV, *(head(a(hidden_BTC)) for a in adapters)])
+        elif self.is_initializing():
+            for d in range(cfg.mtp_depth):  # create the adapters' params even when not asked
+                MTPAdapter(cfg, kernels, self.deterministic, name=f"mtp_{d}")(hidden_BTC)
+
+        new_cache = None
+        if cache is not None:  # one in-place write for all layers, after they have read the cache
+            k, v = write_kv((cache["k"], cache["v"]), kv, cache["index"])
+            new_cache = {"k": k, "v": v, "index": cache["index"] + T}
+        return logits_BTV, new_cache
+
+    def _blocks(self, x_BTC, rope, kv, index):
+        cfg = self.cfg
+        block_cls = _block_class(cfg, self.kernels)
+        if cfg.scan_layers:
+            stack = nn.scan(block_cls, variable_axes={"params": 0}, split_rngs={"params": True, "dropout": True},
+                            in_axes=(nn.broadcast, 0, nn.broadcast), length=cfg.n_layers,
+                            unroll=min(self.kernels.scan_unroll, cfg.n_layers),
+                            )(cfg, self.kernels, self.deterministic, self.train, name="blocks")
+            return stack(x_BTC, rope, kv, index)
+        new_k, new_v = [], []
+        for i in range(cfg.n_layers):
+            layer_kv = None if kv is None else (kv[0][i], kv[1][i])
+            x_BTC, layer_kv = block_cls(cfg, self.kernels, self.deterministic, self.train, name=f"block_{i}")(
+                x_BTC, rope, layer_kv, index)
+            if layer_kv is not None:
+                new_k.append(layer_kv[0])
+                new_v.append(layer_kv[1])
+        return x_BTC, ((jnp.stack(new_k), jnp.stack(new_v)) if new_k else None)
+
+
+def _block_class(cfg: ModelConfig, kernels: Kernels) -> type[nn.Module]:
+    """The block, wrapped in `nn.remat` when its backward pass should recompute (`model.remat`):
+    all of it ("full"), all but the matmul outputs ("dots"), or, in a scanned stack under "none",
+    what the kernels' policy does not save."""
+    if cfg.remat == "full":
+        return nn.remat(TransformerBlock, prevent_cse=not cfg.scan_layers)
+    if cfg.remat == "dots":
+        return nn.remat(TransformerBlock, prevent_cse=not cfg.scan_layers, policy=kernels.dots_remat_policy)
+    if cfg.scan_layers and kernels.scan_remat_policy is not None:
+        return nn.remat(TransformerBlock, prevent_cse=False, policy=kernels.scan_remat_policy)
+    return TransformerBlock
+
+
+def _is_concrete(x: Any) -> bool:
+    return not isinstance(x, jax.core.Tracer)
+
+
+def init_params(cfg: ModelConfig, rng: jax.Array) -> Params:
+    """Fresh parameters, a pure function of (cfg, rng): float32, N(0, init_std) weights, zero biases."""
+    tokens = jnp.zeros((1, min(cfg.context_length, 8)), jnp.int32)
+    return Decoder(cfg).init({"params": rng}, tokens)["params"]
+
+
+def forward(
+    params: Params,
+    cfg: ModelConfig,
+    token_ids: jax.Array,
+    *,
+    all_depths: bool = False,
+    train: bool = False,
+    rng: jax.Array | None = None,
+    kernels: Kernels = PORTABLE,
+) -> jax.Array:
+    """Logits [B, T, V] in float32, or [1 + mtp_depth, B, T, V] with `all_depths`.
+
+    `train`: a train step's forward pass. Dropout is active (with `model.dropout` > 0, drawn from
+    `rng`), and the kernels may lay the attention out for the backward pass that follows; the
+    values do not depend on that layout beyond float rounding.
+    """
+    return _apply(params, cfg, token_ids, all_depths=all_depths, train=train, rng=rng, kernels=kernels)
+
+
+def head_inputs(params: Params, cfg: ModelConfig, token_ids: jax.Array, *, train: bool = False,
+                rng: jax.Array | None = None, kernels: Kernels = PORTABLE) -> jax.Array:
+    """What the head reads at every depth, [1 + mtp_depth, B, T, C]: `forward(..., all_depths=True)`
+    stopped before the head, for a loss that runs the head itself (`Kernels.head_loss`, with
+    `head_weight`)."""
+    return _apply(params, cfg, token_ids, all_depths=True, train=train, rng=rng, kernels=kernels, head=False)
+
+
+def head_weight(params: Params, cfg: ModelConfig) -> jax.Array:
+    """The head's weight: the token embedding [V, C] when tied, the head's kernel [C, V] otherwise."""
+    return params["token_embedding"]["embedding"] if cfg.tie_embeddings else params["lm_head"]["kernel"]
+
+
+def _apply(params, cfg, token_ids, *, all_depths, train, rng, kernels, head=True):
+    token_ids = check_token_ids(token_ids, cfg.vocab_size)
+    if cfg.position == "learned" and token_ids.shape[1] > cfg.context_length:
+        raise UserError(
+            f"sequence exceeds context_length: {token_ids.shape[1]} > {cfg.context_length}"
+        )
+    dropout_active = train and cfg.dropout > 0
+    if dropout_active and rng is None:
+        raise UserError("forward(train=True) with model.dropout > 0 needs an `rng` for dropout")
+    rngs = {"dropout": rng} if dropout_active else {}
+    out, _ = Decoder(cfg, kernels, deterministic=not dropout_active, train=train).apply(
+        {"params": params}, token_ids, all_depths=all_depths, stop_before_head=not head, rngs=rngs
+    )
+    return out
+
+
+def init_cache(cfg: ModelConfig, batch_size: int, max_length: int) -> Cache:
+    """An empty KV cache for `batch_size` sequences of up to `max_length` tokens each."""
+    if batch_size < 1 or max_length < 1:
+        raise UserError(f"cache needs batch_size >= 1 and max_length >= 1, got {batch_size}, {max_length}")
+    if cfg.position == "learned" and max_length > cfg.context_length:
+        raise UserError(
+            f"cache max_length {max_length} exceeds context_length {cfg.context_length} "
+            "(learned positions stop there)"
+        )
+    shape = (cfg.n_layers, batch_size, max_length, cfg.kv_heads, cfg.head_size)
+    dtype = compute_dtype(cfg)
+    return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype),
+            "index": jnp.zeros((batch_size,), jnp.int32)}
+
+
+def forward_cached(
+    params: Params, cfg: ModelConfig, token_ids: jax.Array, cache: Cache, *, all_depths: bool = False,
+    fresh: bool = False, kernels: Kernels = PORTABLE,
+) -> tuple[jax.Array, Cache]:
+    """Run T new tokens per sequence against the cache (a prefill, or T = 1 for one step).
+
+    Returns their logits [B, T, V] ([1 + mtp_depth, B, T, V] with `all_depths`) and the cache
+    with the new keys and values written. `fresh` promises an empty cache (every index 0, as
+    `init_cache` makes it): the prefill then attends among the new tokens only, as `forward` does.
+    """
+    token_ids = check_token_ids(token_ids, cfg.vocab_size)
+    B, T = token_ids.shape
+    L, cache_B, S = cache["k"].shape[:3]
+    if cache_B != B:
+        raise UserError(f"token IDs have batch {B} but the cache was made for batch {cache_B}")
+    if _is_concrete(cache["index"]):
+        end = int(np.asarray(cache["index"]).max()) + T
+        if end > S:
+            raise UserError(f"KV cache overflow: {end} positions needed, the cache holds {S}")
+    if fresh and _is_concrete(cache["index"]) and np.asarray(cache["index"]).any():
+        raise UserError("forward_cached(fresh=True) needs an empty cache (every index 0)")
+    logits, cache = Decoder(cfg, kernels).apply({"params": params}, token_ids, cache=cache,
+                                                all_depths=all_depths, fresh=fresh)
+    return logits, cache
+
+
+def count_params(params: Params) -> int:
+    return sum(int(np.prod(leaf.shape)) for leaf in jax.tree_util.tree_leaves(params))
+
+
+def unstack_blocks(params: Params, cfg: ModelConfig) -> Params:
+    """Scanned layout (`blocks`, leading layer axis) to the unrolled one (`block_0`, ...)."""
+    out = {k: v for k, v in params.items() if k != "blocks"}
+    for i in range(cfg.n_layers):
+        out[f"block_{i}"] = jax.tree_util.tree_map(lambda leaf: leaf[i], params["blocks"])
+    return out
+
+
+def stack_blocks(params: Params, cfg: ModelConfig) -> Params:
+    """Unrolled layout (`block_0`, ...) to the scanned one (`blocks`, leading layer axis)."""
+    out = {k: v for k, v in params.items() if not k.startswith("block_")}
+    layers = [params[f"block_{i}"] for i in range(cfg.n_layers)]
+    out["blocks"] = jax.tree_util.tree_map(lambda *leaves: jnp.stack(leaves), *layers)
+    return out

@@ -1,0 +1,257 @@
+"""The decoder's building blocks: norms, RoPE and sinusoidal tables, causal attention (grouped KV heads), feed-forward.
+
+Shapes follow the legend in `jaxgpt.model.decoder`. Parameters are float32; matmul operands and the KV
+cache are in the compute dtype (`model.dtype`); statistics (norms, softmax) in float32. The
+dense layers' matmul, the attention and the GELU are the `Kernels` each module is handed
+(`jaxgpt.kernels`; the portable ones by default).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jaxgpt.config import ModelConfig
+from jaxgpt.kernels import PORTABLE, Kernels
+
+Rope = tuple[jax.Array, jax.Array]  # (cos, sin), each [B, T, D/2] float32
+KV = tuple[jax.Array, jax.Array]  # one layer's cached keys and values, each [B, S, K, D]
+
+
+def compute_dtype(cfg: ModelConfig) -> Any:
+    """The dtype of matmul operands and of the KV cache."""
+    return jnp.bfloat16 if cfg.dtype == "bfloat16" else jnp.float32
+
+
+def activation_dtype(cfg: ModelConfig, kernels: Kernels) -> Any:
+    """The dtype of activations between matmuls: the compute dtype, unless the kernels keep float32."""
+    return jnp.float32 if kernels.float32_activations else compute_dtype(cfg)
+
+
+def dense_init(cfg: ModelConfig) -> nn.initializers.Initializer:
+    return nn.initializers.normal(stddev=cfg.init_std)
+
+
+def dense(cfg: ModelConfig, kernels: Kernels, features: int, name: str) -> nn.Dense:
+    """`nn.Dense` (params `kernel` [in, features], `bias`) multiplying with the kernels' dot_general."""
+    return nn.Dense(features, use_bias=cfg.bias, dtype=activation_dtype(cfg, kernels), kernel_init=dense_init(cfg),
+                    dot_general=kernels.dot_general, name=name)
+
+
+def recomputed(fn: Any, recompute: bool = True, prevent_cse: bool = True) -> Any:
+    """`fn` (elementwise work between matmuls) under `jax.checkpoint` when `recompute`
+    (`Kernels.recompute_elementwise`): the backward pass keeps only its inputs and recomputes its
+    float32 intermediates, which are several times their size (a LayerNorm's centred and scaled
+    copies, the tanh GELU's cube and tanh) and cheap to compute again. `prevent_cse` keeps XLA
+    from merging the recomputation away, which a scanned stack's loop does by itself
+    (model.scan_layers)."""
+    return jax.checkpoint(fn, prevent_cse=prevent_cse) if recompute else fn
+
+
+def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> jax.Array:
+    """GPT-2's LayerNorm in float32: biased variance over the last axis, gain and bias."""
+    x32 = x.astype(jnp.float32)
+    mean = x32.mean(-1, keepdims=True)
+    var = jnp.square(x32 - mean).mean(-1, keepdims=True)
+    return (x32 - mean) * jax.lax.rsqrt(var + eps) * scale + bias
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    """x divided by its root mean square over the last axis, in float32, times the gain."""
+    x32 = x.astype(jnp.float32)
+    return x32 * jax.lax.rsqrt(jnp.square(x32).mean(-1, keepdims=True) + eps) * scale
+
+
+class _Norm(nn.Module):
+    """What both norms hold: epsilon, the output dtype, and whether the norm is recomputed in the
+    backward pass (`recomputed`'s arguments)."""
+
+    eps: float
+    dtype: Any = jnp.float32
+    recompute: bool = True
+    prevent_cse: bool = True
+
+    def _normed(self, norm: Callable[..., jax.Array], *arguments: jax.Array) -> jax.Array:
+        fn = lambda *arguments: norm(*arguments, self.eps).astype(self.dtype)
+        return recomputed(fn, self.recompute, self.prevent_cse)(*arguments)
+
+
+class LayerNorm(_Norm):
+    """GPT-2's LayerNorm: biased variance over the features of one vector, learned gain and bias."""
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        features = x.shape[-1]
+        scale = self.param("scale", nn.initializers.ones, (features,), jnp.float32)
+        bias = self.param("bias", nn.initializers.zeros, (features,), jnp.float32)
+        return self._normed(layer_norm, x, scale, bias)
+
+
+class RMSNorm(_Norm):
+    """LayerNorm without the mean: divide by the root mean square, learned gain, no bias."""
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), jnp.float32)
+        return self._normed(rms_norm, x, scale)
+
+
+def make_norm(cfg: ModelConfig, kernels: Kernels, name: str | None = None) -> nn.Module:
+    norm = LayerNorm if cfg.norm == "layernorm" else RMSNorm
+    return norm(eps=cfg.norm_eps, dtype=activation_dtype(cfg, kernels), recompute=kernels.recompute_elementwise,
+                prevent_cse=not cfg.scan_layers, name=name)
+
+
+def rope_tables(positions_BT: jax.Array, head_size: int, scale: float, base: float) -> Rope:
+    """cos and sin for each position; `scale` > 1 interpolates positions (divides them by scale)."""
+    inv_freq = 1.0 / (base ** (jnp.arange(0, head_size, 2, dtype=jnp.float32) / head_size))
+    angles = (positions_BT.astype(jnp.float32) / scale)[..., None] * inv_freq
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def sinusoidal_positions(positions_BT: jax.Array, width: int, base: float = 10000.0) -> jax.Array:
+    """The fixed table of "Attention Is All You Need" [B, T, width]: feature 2i is sin, 2i + 1 cos,
+    of position / base^(2i / width). No parameters, so it holds at any position."""
+    angles = positions_BT.astype(jnp.float32)[..., None] / base ** (jnp.arange(0, width, 2, dtype=jnp.float32) / width)
+    return jnp.stack([jnp.sin(angles), jnp.cos(angles)], axis=-1).reshape(*positions_BT.shape, width)
+
+
+def apply_rope(x_BTHD: jax.Array, rope: Rope) -> jax.Array:
+    """Rotate the two halves of each head (Hugging Face Llama's `rotate_half` layout)."""
+    cos, sin = (t[:, :, None, :] for t in rope)  # broadcast over heads
+    x = x_BTHD.astype(jnp.float32)
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return rotated.astype(x_BTHD.dtype)
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal attention with grouped KV heads and an optional KV cache.
+
+    The query heads of one group are consecutive (head h reads KV head h // (H // K)), as Hugging
+    Face's Llama lays them out, so imported weights need no permutation. `train`: the forward
+    pass of a train step, which will be differentiated (the kernels may lay it out for that).
+    """
+
+    cfg: ModelConfig
+    kernels: Kernels = PORTABLE
+    deterministic: bool = True
+    train: bool = False
+
+    @nn.compact
+    def __call__(
+        self, x_BTC: jax.Array, rope: Rope | None, kv: KV | None = None, index: jax.Array | None = None
+    ) -> tuple[jax.Array, KV | None]:
+        """Cached decoding passes `index` [B]: the T new keys and values are then returned for the
+        caller to write (`write_kv`), so no layer copies the cache. With `kv` too (this layer's
+        cache, read only) the queries also read each sequence's first `index` cached positions;
+        without it (a prefill into an empty cache) they read only the new tokens."""
+        cfg = self.cfg
+        B, T, _ = x_BTC.shape
+        H, K, D = cfg.n_heads, cfg.kv_heads, cfg.head_size
+        qkv = dense(cfg, self.kernels, (H + 2 * K) * D, "qkv")(x_BTC)
+        q_BTHD = qkv[..., : H * D].reshape(B, T, H, D)
+        k_BTKD = qkv[..., H * D : (H + K) * D].reshape(B, T, K, D)
+        v_BTKD = qkv[..., (H + K) * D :].reshape(B, T, K, D)
+        if rope is not None:
+            q_BTHD, k_BTKD = apply_rope(q_BTHD, rope), apply_rope(k_BTKD, rope)
+
+        if kv is None:
+            out_BTHD = self.kernels.attention(q_BTHD, k_BTKD, v_BTKD, train=self.train, remat=cfg.remat != "none")
+        else:
+            out_BTHD = cached_attention(q_BTHD, kv, (k_BTKD, v_BTKD), index)
+        kv = None if index is None else (k_BTKD, v_BTKD)
+        out = dense(cfg, self.kernels, cfg.d_model, "out")(out_BTHD.reshape(B, T, H * D))
+        return nn.Dropout(cfg.dropout)(out, deterministic=self.deterministic), kv
+
+
+def cached_attention(q_BTHD: jax.Array, cache: KV, new: KV, index_B: jax.Array) -> jax.Array:
+    """T queries against a sequence's cached positions [0, index) and the T new keys, causally.
+
+    One softmax over both parts (scores in float32). Cache slots from `index` on hold padding or
+    stale keys and are masked; the new keys need not be written first, so the cache is only read.
+    """
+    B, T, H, D = q_BTHD.shape
+    (k_BSKD, v_BSKD), (k_BTKD, v_BTKD) = cache, new
+    K = k_BTKD.shape[2]
+    q_BTKGD = (q_BTHD * jnp.asarray(D**-0.5, q_BTHD.dtype)).reshape(B, T, K, H // K, D)
+    dtype = q_BTHD.dtype
+    old = jnp.einsum("btkgd,bskd->bkgts", q_BTKGD, k_BSKD.astype(dtype), preferred_element_type=jnp.float32)
+    old = jnp.where((jnp.arange(k_BSKD.shape[1]) < index_B[:, None])[:, None, None, None, :], old, -jnp.inf)
+    now = jnp.einsum("btkgd,bskd->bkgts", q_BTKGD, k_BTKD, preferred_element_type=jnp.float32)
+    now = jnp.where(jnp.tril(jnp.ones((T, T), bool)), now, -jnp.inf)
+    # The new part always holds the query's own key, so the max is finite and no row is empty.
+    peak = jax.lax.stop_gradient(jnp.maximum(old.max(-1, keepdims=True), now.max(-1, keepdims=True)))
+    p_old, p_now = jnp.exp(old - peak), jnp.exp(now - peak)
+    total = p_old.sum(-1, keepdims=True) + p_now.sum(-1, keepdims=True)
+    out = (jnp.einsum("bkgts,bskd->btkgd", (p_old / total).astype(dtype), v_BSKD.astype(dtype))
+           + jnp.einsum("bkgts,bskd->btkgd", (p_now / total).astype(dtype), v_BTKD))
+    return out.reshape(B, T, H, D)
+
+
+def write_kv(cache: KV, new: KV, index_B: jax.Array) -> KV:
+    """Write each sequence's T new keys and values into every layer's cache at its own index:
+    cache ([L, B, S, K, D], [L, B, S, K, D]), new ([L, B, T, K, D], [L, B, T, K, D])."""
+
+    def write(buffer_LSKD, new_LTKD, start):
+        return jax.lax.dynamic_update_slice(buffer_LSKD, new_LTKD.astype(buffer_LSKD.dtype), (0, start, 0, 0))
+
+    return tuple(jax.vmap(write, in_axes=(1, 1, 0), out_axes=1)(c, n, index_B) for c, n in zip(cache, new))
+
+
+class FeedForward(nn.Module):
+    """Widen to hidden_size, GELU (tanh, as GPT-2) or SwiGLU, project back."""
+
+    cfg: ModelConfig
+    kernels: Kernels = PORTABLE
+    deterministic: bool = True
+
+    @nn.compact
+    def __call__(self, x_BTC: jax.Array) -> jax.Array:
+        cfg = self.cfg
+        up_BTF = dense(cfg, self.kernels, cfg.hidden_size, "up")(x_BTC)
+        if cfg.feed_forward == "swiglu":
+            gate_BTF = dense(cfg, self.kernels, cfg.hidden_size, "gate")(x_BTC)
+            h_BTF = recomputed(lambda gate, up: nn.silu(gate) * up, self.kernels.recompute_elementwise,
+                               not cfg.scan_layers)(gate_BTF, up_BTF)
+        else:
+            h_BTF = recomputed(self.kernels.gelu, self.kernels.recompute_elementwise, not cfg.scan_layers)(up_BTF)
+        out = dense(cfg, self.kernels, cfg.d_model, "down")(h_BTF)
+        return nn.Dropout(cfg.dropout)(out, deterministic=self.deterministic)
+
+
+class TransformerBlock(nn.Module):
+    """One decoder block, pre- or post-norm exactly as the seed's `TransformerBlock.forward`."""
+
+    cfg: ModelConfig
+    kernels: Kernels = PORTABLE
+    deterministic: bool = True
+    train: bool = False  # a train step's forward pass (`CausalSelfAttention.train`)
+
+    @nn.compact
+    def __call__(
+        self, x_BTC: jax.Array, rope: Rope | None, kv: KV | None = None, index: jax.Array | None = None
+    ) -> tuple[jax.Array, KV | None]:
+        cfg, kernels = self.cfg, self.kernels
+        B, T, _ = x_BTC.shape
+        chex.assert_shape(x_BTC, (B, T, cfg.d_model))
+        attention = CausalSelfAttention(cfg, kernels, self.deterministic, self.train, name="attention")
+        feed_forward = FeedForward(cfg, kernels, self.deterministic, name="feed_forward")
+        attention_norm = make_norm(cfg, kernels, "attention_norm")
+        feed_forward_norm = make_norm(cfg, kernels, "feed_forward_norm")
+        if cfg.residual == "pre":
+            attended, kv = attention(attention_norm(x_BTC), rope, kv, index)
+            y_BTC = x_BTC + attended
+            y_BTC = y_BTC + feed_forward(feed_forward_norm(y_BTC))
+        else:
+            attended, kv = attention(x_BTC, rope, kv, index)
+            y_BTC = attention_norm(x_BTC + attended)
+            y_BTC = feed_forward_norm(y_BTC + feed_forward(y_BTC))
+        y_BTC = y_BTC.astype(x_BTC.dtype)
+        chex.assert_equal_shape([x_BTC, y_BTC])
+        chex.assert_trees_all_equal_dtypes(x_BTC, y_BTC)
+        return y_BTC, kv

@@ -1,0 +1,136 @@
+"""The pure training and evaluation steps: state, batch -> state, metrics.
+
+A batch is an int32 array of token windows [B, T + 1 + mtp_depth]: inputs are the first T tokens,
+and the targets of prediction depth d are the T tokens starting d + 1 later.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxgpt.config import ModelConfig, RunConfig
+from jaxgpt.data import window_length  # noqa: F401  (the batch width; scripts import it from here too)
+from jaxgpt.kernels import Kernels, choose_kernels
+from jaxgpt.model.decoder import Params, forward, head_inputs, head_weight, init_params
+from jaxgpt.model.layers import compute_dtype
+from jaxgpt.train.optim import OptHParams, lr_schedule, make_optimizer
+
+
+@flax.struct.dataclass
+class TrainState:
+    step: jax.Array  # int32 scalar: the number of updates applied so far
+    params: Params
+    opt_state: Any
+
+
+@functools.partial(jax.jit, static_argnums=0)  # one compile instead of one per eager op
+def init_state(cfg: RunConfig, rng: jax.Array) -> TrainState:
+    return state_from_params(cfg, init_params(cfg.model, rng))
+
+
+def state_from_params(cfg: RunConfig, params: Params) -> TrainState:
+    """A step-0 state holding `params` (fresh ones, or imported weights to fine-tune)."""
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                      opt_state=make_optimizer(cfg.train).init(params))
+
+
+def depth_losses(params: Params, model: ModelConfig, window_BW: jax.Array, *, train: bool = False,
+                 rng: jax.Array | None = None, kernels: Kernels | None = None) -> jax.Array:
+    """Mean cross-entropy (float32) of each prediction depth: [1 + mtp_depth].
+
+    `kernels`: by default the ones `jaxgpt.kernels` chooses for the model on this backend. Kernels
+    with a fused head and loss (`Kernels.head_loss`) take the hidden states instead of the logits,
+    so the [B, T, V] logits are never all in memory.
+    """
+    T = model.context_length
+    kernels = kernels or choose_kernels(model)
+    inputs_BT = window_BW[:, :T]
+    targets_DBT = jnp.stack([window_BW[:, 1 + d: 1 + d + T] for d in range(1 + model.mtp_depth)])
+    if kernels.head_loss is not None:
+        hidden_DBTC = head_inputs(params, model, inputs_BT, train=train, rng=rng, kernels=kernels)
+        weight = head_weight(params, model)
+        return jnp.stack([kernels.head_loss(h_BTC, weight, t_BT, tied=model.tie_embeddings, dtype=compute_dtype(model))
+                          for h_BTC, t_BT in zip(hidden_DBTC, targets_DBT)])
+    logits_DBTV = forward(params, model, inputs_BT, all_depths=True, train=train, rng=rng, kernels=kernels)
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits_DBTV.astype(jnp.float32), targets_DBT)
+    return losses.mean(axis=(1, 2))
+
+
+def training_loss(depths: jax.Array, mtp_weight: float) -> jax.Array:
+    """Next-token loss plus `mtp_weight` times the mean loss of the further-ahead depths."""
+    if depths.shape[0] == 1:
+        return depths[0]
+    return depths[0] + mtp_weight * depths[1:].mean()
+
+
+def train_step(cfg: RunConfig, state: TrainState, batch_BW: jax.Array, axis_name: str | None = None, *,
+               hparams: OptHParams | None = None,
+               seed: int | jax.Array | None = None,
+               kernels: Kernels | None = None) -> tuple[TrainState, dict[str, jax.Array]]:
+    """One optimiser update from `grad_accum` equal micro-batches of the global batch.
+
+    The micro-batch gradients are averaged, so the update equals one on the whole batch. Under
+    `jax.pmap`, `axis_name` names the device axis: each device holds an equal share of the batch,
+    its gradients are averaged over the devices before the update, and its dropout masks get a
+    key of their own (so only with dropout 0 do the numbers equal one device's).
+
+    `hparams` and `seed` default to the config's; a vmapped sweep passes each member's as traced
+    values (`jaxgpt.tools.sweep`), through this same code.
+    """
+    model, train = cfg.model, cfg.train
+    hparams = OptHParams.from_config(train) if hparams is None else hparams
+    optimizer = make_optimizer(train, hparams)
+    seed = train.seed if seed is None else seed
+    dropout_key = jax.random.fold_in(jax.random.key(seed), state.step)
+    if axis_name is not None:
+        dropout_key = jax.random.fold_in(dropout_key, jax.lax.axis_index(axis_name))
+    micro_ABW = batch_BW.reshape(train.grad_accum, -1, batch_BW.shape[-1])
+
+    def micro_grads(carry, inputs):
+        index, window_BW = inputs
+
+        def objective(params):
+            depths = depth_losses(params, model, window_BW, train=True,
+                                  rng=jax.random.fold_in(dropout_key, index), kernels=kernels)
+            return training_loss(depths, train.mtp_weight), depths
+
+        (_, depths), grads = jax.value_and_grad(objective, has_aux=True)(state.params)
+        summed = jax.tree_util.tree_map(jnp.add, carry, (grads, depths))
+        return summed, None
+
+    zeros = jax.tree_util.tree_map(jnp.zeros_like, state.params)
+    init = (zeros, jnp.zeros((1 + model.mtp_depth,), jnp.float32))
+    (grads, depths), _ = jax.lax.scan(micro_grads, init, (jnp.arange(train.grad_accum), micro_ABW))
+    grads, depths = jax.tree_util.tree_map(lambda g: g / train.grad_accum, (grads, depths))
+    if axis_name is not None:
+        grads, depths = jax.lax.pmean((grads, depths), axis_name)
+
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = {"loss": depths[0], "grad_norm": optax.tree.norm(grads),
+               "lr": lr_schedule(train, hparams)(state.step)}
+    if model.mtp_depth:
+        metrics["mtp_loss"] = depths[1:].mean()
+    return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+
+def eval_step(cfg: RunConfig, params: Params, batch_BW: jax.Array, kernels: Kernels | None = None) -> jax.Array:
+    """Mean next-token loss (float32) of one batch, without dropout."""
+    return depth_losses(params, cfg.model, batch_BW, kernels=kernels)[0]
+
+
+def compile_steps(cfg: RunConfig, kernels: Kernels | None = None):
+    """The jitted train step (state buffers donated) and eval step for one config (and `kernels`,
+    by default the ones chosen for its model on this backend)."""
+    kernels = kernels or choose_kernels(cfg.model)
+    options = kernels.jit_options()
+    # Partials, not lambdas: the programs keep their functions' names (in profiles, in the cache's log).
+    train = jax.jit(functools.partial(train_step, cfg, kernels=kernels), donate_argnums=0, compiler_options=options)
+    evaluate = jax.jit(functools.partial(eval_step, cfg, kernels=kernels), compiler_options=options)
+    return train, evaluate
