@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import importlib.util
 import re
 import subprocess
 import sys
@@ -17,7 +18,10 @@ from jaxgpt import PACKAGES
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "jaxgpt"
 LAYERS = list(PACKAGES)  # lowest first
-FOUNDATION = {"config", "errors"}
+# Which top-level modules are the foundation and which the public faces: the map's own grouping.
+_spec = importlib.util.spec_from_file_location("layout_doc", ROOT / "scripts" / "layout_doc.py")
+layout_doc = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(layout_doc)
 
 
 def module_names() -> dict[str, Path]:
@@ -49,12 +53,12 @@ def imports_of(name: str) -> set[str]:
 
 
 def layer(name: str) -> str:
-    parts = name.split(".")
-    if len(parts) == 1 or (len(parts) == 2 and parts[1] in ("__main__", "checkpoint", "generate")):
-        return "public"
-    if len(parts) == 2 and parts[1] in FOUNDATION:
+    path = MODULES[name]
+    if path.parent != PACKAGE:
+        return name.split(".")[1]
+    if path.name in layout_doc.FOUNDATION:
         return ""
-    return parts[1]
+    return "public" if path.name in layout_doc.PUBLIC else path.stem
 
 
 def test_every_module_has_a_layer():

@@ -22,20 +22,19 @@ from typing import Any
 
 _HOMES = {  # name -> the module that defines it
     **dict.fromkeys(("TRAIN_STREAM", "VAL_STREAM", "RunData", "eval_summary", "evaluate", "get_batch", "train_batch",
-                     "val_batch", "window_length"), "batches"),
-    "prepare_data": "pipeline",
-    **dict.fromkeys(("Document", "in_val_split"), "documents"),
-    **dict.fromkeys(("open_source", "stdlib_paths", "stdlib_root"), "sources"),
-    **dict.fromkeys(("Tokens", "TokenSplits"), "store"),
+                     "val_batch", "window_length"), "jaxgpt.data.batches"),
+    "prepare_data": "jaxgpt.data.pipeline",
+    **dict.fromkeys(("Document", "in_val_split"), "jaxgpt.data.documents"),
+    **dict.fromkeys(("open_source", "stdlib_paths", "stdlib_root"), "jaxgpt.data.sources"),
+    **dict.fromkeys(("Tokens", "TokenSplits"), "jaxgpt.data.store"),
+    "default_cache_dir": "jaxgpt.runs.rundir",
 }
-_HOMES_ELSEWHERE = {"default_cache_dir": "jaxgpt.runs.rundir"}
 
-__all__ = sorted([*_HOMES, *_HOMES_ELSEWHERE])
+__all__ = sorted(_HOMES)
 
 
 def __getattr__(name: str) -> Any:
-    home = _HOMES_ELSEWHERE.get(name) or (f"jaxgpt.data.{_HOMES[name]}" if name in _HOMES else None)
-    if home is None:
+    if name not in _HOMES:
         raise AttributeError(f"module 'jaxgpt.data' has no attribute {name!r}")
-    value = globals()[name] = getattr(importlib.import_module(home), name)
+    value = globals()[name] = getattr(importlib.import_module(_HOMES[name]), name)
     return value
