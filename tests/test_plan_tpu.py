@@ -66,3 +66,12 @@ def test_a_slice_of_many_hosts_says_its_processes_and_the_rows_each_reads():
     [record] = planning.plans([tiny("train.batch_size=64", "train.fsdp=4")], "v5e-16", programs=("train",))
     assert (record["devices"], record["processes"], record["rows_per_process"]) == (16, 4, 16)
     assert record["mesh"] == {"data": 4, "fsdp": 4} and record["fits"] is True
+
+
+def test_every_program_dry_run_compiles_builds_the_splash_kernel_in_the_trace_that_asks():
+    # Train, eval and the sampler in one process at a length no probe compiles first: the
+    # sampler's window pass takes splash attention after the train step's gradient did.
+    [record] = planning.plans([attention("mha", 256, 64, "bfloat16")], "v5e-1")
+    assert "failure" not in record, record.get("failure")
+    assert {"eval", "decode"} <= set(record["compiled"]) and record["kernels"] == "tpu"
+    assert "tpu_custom_call" in record["compiled"]["eval"]["custom_calls"]

@@ -65,9 +65,13 @@ def splash_layout(T: int, max_block: int = MAX_BLOCK) -> tuple[int, int]:
     return padded, block
 
 
-@functools.lru_cache(maxsize=None)
 def _splash(padded: int, block: int, heads: int, mqa: bool, interpret: bool) -> Callable[..., Any]:
-    """The causal kernel for one sequence: (q [H, T, D], k and v [K, T, D], or [T, D] for MQA)."""
+    """The causal kernel for one sequence: (q [H, T, D], k and v [K, T, D], or [T, D] for MQA).
+
+    Built anew by every trace that asks, as MaxText builds it: the kernel holds its block tables
+    as arrays of the trace that makes it, so one kept across traces leaks the values of a
+    gradient's partial evaluation into the next program (the sampler's, at lengths the probe does
+    not compile). jax keeps the costly part, the masks' block tables, in its own cache."""
     mask = splash_mask.MultiHeadMask([splash_mask.CausalMask((padded, padded)) for _ in range(heads)])
     sizes = splash_kernel.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
                                      block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block,
@@ -75,10 +79,7 @@ def _splash(padded: int, block: int, heads: int, mqa: bool, interpret: bool) -> 
     make = splash_kernel.make_splash_mqa if mqa else splash_kernel.make_splash_mha
     # `interpret` only when asked for: a jax whose kernel lacks the flag still runs on a TPU.
     flags = {"interpret": True} if interpret else {}
-    # The kernel holds its block tables as arrays, made here concrete, not as tracers of the
-    # trace that first asks for it (it is cached and serves later traces too).
-    with jax.ensure_compile_time_eval():
-        return make(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, **flags)
+    return make(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, **flags)
 
 
 def splash_attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, *, interpret: bool = False,
