@@ -75,3 +75,11 @@ def test_every_program_dry_run_compiles_builds_the_splash_kernel_in_the_trace_th
     assert "failure" not in record, record.get("failure")
     assert {"eval", "decode"} <= set(record["compiled"]) and record["kernels"] == "tpu"
     assert "tpu_custom_call" in record["compiled"]["eval"]["custom_calls"]
+
+
+def test_the_sampler_on_four_chips_runs_splash_attention_on_every_chip_over_all_its_rows():
+    # 256 positions: the sampler's window pass (128) takes splash attention, which XLA's
+    # partitioner cannot split over the FSDP-sharded parameters' mesh.
+    [record] = planning.plans([attention("mha", 256, 64, "bfloat16", "train.batch_size=8", "train.fsdp=4")], "v5e-4")
+    assert "failure" not in record, record.get("failure")
+    assert "tpu_custom_call" in record["compiled"]["decode"]["custom_calls"] and record["kernels"] == "tpu"

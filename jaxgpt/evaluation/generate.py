@@ -105,7 +105,20 @@ def sample_logits(
     return jax.random.categorical(rng, logits_BV, axis=-1).astype(jnp.int32)
 
 
-_STATIC = ("cfg", "temperature", "top_k", "top_p", "vocab_limit", "draft")
+_STATIC = ("cfg", "temperature", "top_k", "top_p", "vocab_limit", "draft", "mesh")
+
+
+def params_mesh(params: Params) -> Any:
+    """The mesh of several devices that `params` are laid out on, else None (one device)."""
+    mesh = getattr(getattr(jax.tree_util.tree_leaves(params)[0], "sharding", None), "mesh", None)
+    return mesh if mesh is not None and mesh.size > 1 else None
+
+
+def _kernels(cfg: ModelConfig, mesh: Any) -> Any:
+    """The sampler's kernels. On a mesh of several devices every device attends over all of the
+    sampler's few rows: XLA's partitioner cannot split a Pallas kernel (nor cuDNN's, under FSDP)."""
+    kernels = choose_kernels(cfg)
+    return kernels if mesh is None else kernels.on_mesh(mesh, batch_axes=())
 
 
 def _cache_for(cfg: ModelConfig, batch: int, draft: int) -> Cache:
@@ -163,13 +176,13 @@ def _append(state: dict[str, Any], block_BJ: jax.Array, n_new_B: jax.Array, stop
 def _start(
     params: Params, tokens_BP: jax.Array, lengths_B: jax.Array, max_new: jax.Array, stop_token: jax.Array,
     key: jax.Array, *, size: int, cfg: ModelConfig, temperature: float, top_k: int | None,
-    top_p: float | None, vocab_limit: int | None, draft: int,
+    top_p: float | None, vocab_limit: int | None, draft: int, mesh: Any = None,
 ) -> dict[str, Any]:
     """Prefill right-padded prompts and sample each row's first token at its own length."""
     options = dict(temperature=temperature, top_k=top_k, top_p=top_p, vocab_limit=vocab_limit)
     B, P = tokens_BP.shape
     logits, cache = forward_cached(params, cfg, tokens_BP, _cache_for(cfg, B, draft), all_depths=draft > 0,
-                                   fresh=True, kernels=choose_kernels(cfg))
+                                   fresh=True, kernels=_kernels(cfg, mesh))
     cache["index"] = lengths_B  # each row's later writes start at its true end, over the padding
     tokens_B, drafts_BD = _next_tokens(logits, lengths_B - 1, jax.random.fold_in(key, 0), draft, options)
     state = {
@@ -182,7 +195,7 @@ def _start(
 
 
 def _step(params: Params, state: dict[str, Any], stop_token: jax.Array, key: jax.Array, *,
-          cfg: ModelConfig, draft: int, **options: Any) -> dict[str, Any]:
+          cfg: ModelConfig, draft: int, mesh: Any = None, **options: Any) -> dict[str, Any]:
     """One forward pass per row: feed the pending token (and its drafts), append what it yields.
 
     The cache holds the row's window but its last token (`pending`, seq[length - 1]). A row whose
@@ -199,7 +212,7 @@ def _step(params: Params, state: dict[str, Any], stop_token: jax.Array, key: jax
     pending_B = _at(seq_BN, length_B - 1)
     fed_BJ = jnp.concatenate([pending_B[:, None], state["drafts"]], axis=1)
     logits, stepped_cache = forward_cached(params, cfg, fed_BJ, cache, all_depths=draft > 0,
-                                           kernels=choose_kernels(cfg))
+                                           kernels=_kernels(cfg, mesh))
     if draft:
         greedy_BJ = jnp.argmax(logits[0], axis=-1).astype(jnp.int32)
         agree_B = jnp.cumprod(greedy_BJ[:, :draft] == state["drafts"], axis=1).sum(axis=1)
@@ -215,7 +228,7 @@ def _step(params: Params, state: dict[str, Any], stop_token: jax.Array, key: jax
         window_BW = jax.vmap(lambda row, at: jax.lax.dynamic_slice(row, (at,), (W,)))(
             seq_BN, jnp.maximum(length_B - W, 0))
         logits, fresh = forward_cached(params, cfg, window_BW, _cache_for(cfg, seq_BN.shape[0], draft),
-                                       all_depths=draft > 0, fresh=True, kernels=choose_kernels(cfg))
+                                       all_depths=draft > 0, fresh=True, kernels=_kernels(cfg, mesh))
         tokens_B, drafts_BD = _next_tokens(logits, jnp.full_like(length_B, W - 1), rng, draft, options)
         block_BJ = jnp.zeros_like(stepped[0]).at[:, 0].set(tokens_B)
         return _select(full_B, ((block_BJ, jnp.ones_like(length_B), drafts_BD), fresh), (stepped, stepped_cache))
@@ -240,7 +253,7 @@ def _step(params: Params, state: dict[str, Any], stop_token: jax.Array, key: jax
 def _advance(
     params: Params, state: dict[str, Any], target: jax.Array, stop_token: jax.Array, key: jax.Array, *,
     cfg: ModelConfig, temperature: float, top_k: int | None, top_p: float | None, vocab_limit: int | None,
-    draft: int,
+    draft: int, mesh: Any = None,
 ) -> dict[str, Any]:
     """Decode on device until every unfinished row holds at least `target` new tokens."""
     options = dict(temperature=temperature, top_k=top_k, top_p=top_p, vocab_limit=vocab_limit)
@@ -250,7 +263,7 @@ def _advance(
         return (s["length"] < goal_B).any()
 
     def step(s):
-        return _step(params, s, stop_token, key, cfg=cfg, draft=draft, **options)
+        return _step(params, s, stop_token, key, cfg=cfg, draft=draft, mesh=mesh, **options)
 
     return jax.lax.while_loop(unfinished, step, state)
 
@@ -269,7 +282,8 @@ def lower_decoding(params: Any, cfg: ModelConfig, *, batch: int = 1, prompt_widt
     "advance") for `batch` prompts of `prompt_width` tokens, lowered from shapes: `params` may be
     `jax.ShapeDtypeStruct`s (with their shardings), and `placed` is the sharding of every other
     argument (default: JAX's default device). Nothing is computed; a plan compiles them."""
-    options = dict(cfg=cfg, temperature=float(temperature), top_k=top_k, top_p=top_p, vocab_limit=None, draft=0)
+    options = dict(cfg=cfg, temperature=float(temperature), top_k=top_k, top_p=top_p, vocab_limit=None, draft=0,
+                   mesh=params_mesh(params))
     size = buffer_size(cfg, prompt_width, max_new_tokens, 0)
 
     def spec(shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
@@ -376,7 +390,7 @@ def generate_tokens(
         raise UserError("speculative decoding is greedy: use temperature 0")
     options = dict(cfg=cfg, temperature=float(temperature), top_k=top_k,
                    top_p=None if top_p is None else float(top_p), vocab_limit=vocab_limit,
-                   draft=cfg.mtp_depth if speculative else 0)
+                   draft=cfg.mtp_depth if speculative else 0, mesh=params_mesh(params))
     stop = np.int32(-1 if stop_token is None else stop_token)  # -1: no token ever equals it
     width = prompt_width or bucket_length(longest, cfg.context_length)
     return _decode_loop(params, rows, width, max_new_tokens, jax.random.key(seed), stop,

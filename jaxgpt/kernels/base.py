@@ -64,10 +64,12 @@ class Kernels:
 
     def on_mesh(self, mesh: Any, batch_axes: tuple[str, ...] | None = None) -> Kernels:
         """These kernels for a program whose batch rows are split over `batch_axes` of `mesh`
-        (default: every axis; a sweep's members, vmapped over another axis, take the rest)."""
+        (default: every axis; a sweep's members, vmapped over another axis, take the rest; `()`:
+        every device runs the kernel on all rows, as the sampler's few rows need)."""
         if self.mesh_attention is None:
             return self
-        return dataclasses.replace(self, attention=self.mesh_attention(mesh, batch_axes or tuple(mesh.axis_names)))
+        axes = tuple(mesh.axis_names) if batch_axes is None else batch_axes
+        return dataclasses.replace(self, attention=self.mesh_attention(mesh, axes))
 
 
 def per_device(attend: Callable[..., Any], mesh: Any, axes: tuple[str, ...] | None = None) -> Callable[..., Any]:
@@ -77,7 +79,7 @@ def per_device(attend: Callable[..., Any], mesh: Any, axes: tuple[str, ...] | No
     import jax
     from jax.sharding import PartitionSpec
 
-    spec = PartitionSpec(tuple(axes or mesh.axis_names))
+    spec = PartitionSpec(tuple(mesh.axis_names if axes is None else axes))
     if hasattr(jax, "shard_map"):  # jax 0.6.1 on; before, only the experimental one
         return jax.shard_map(attend, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec, check_vma=False)
     from jax.experimental.shard_map import shard_map
