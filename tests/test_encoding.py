@@ -73,3 +73,27 @@ def test_a_worker_error_is_raised_here(bpe) -> None:
             list(workers.map(iter([(["abc"], [True])])))  # "c" is not in the vocabulary
     finally:
         workers.close()
+
+
+def test_a_worker_killed_while_it_sends_a_result_is_a_worker_death(bpe) -> None:
+    """A SIGKILL mid-message leaves a short body on the pipe: the worker's death, with its exit
+    status, not pickle's "data was truncated"."""
+    import subprocess
+    import sys
+
+    from jaxgpt.errors import Failure
+
+    workers = Workers(1, bpe.to_json(), HF, bpe.eot_id, np.dtype(np.uint16))
+    # In the worker's place, a process that announces 1,000 bytes, writes 10 and is killed.
+    dies_mid_message = ("import os, signal, struct, sys; out = sys.stdout.buffer; "
+                        "out.write(struct.pack('<I', 1000) + b'x' * 10); out.flush(); "
+                        "os.kill(os.getpid(), signal.SIGKILL)")
+    workers.procs[0].kill()
+    workers.procs[0].wait()
+    workers.procs[0] = subprocess.Popen([sys.executable, "-c", dies_mid_message], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE)
+    try:
+        with pytest.raises(Failure, match=r"^encoding worker 0 was killed by SIGKILL; what was prepared is kept"):
+            workers._result(0)
+    finally:
+        workers.close()

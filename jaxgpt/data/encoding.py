@@ -105,10 +105,16 @@ def _send(stream: BinaryIO, message: Any) -> None:
 
 
 def _receive(stream: BinaryIO) -> Any:
+    """The next message; EOFError where the stream ends before it does. A short body is the
+    sender's death mid-message (a SIGKILL while it writes), never a message to unpickle."""
     head = stream.read(4)
     if len(head) < 4:
         raise EOFError
-    return pickle.loads(stream.read(struct.unpack("<I", head)[0]))
+    size = struct.unpack("<I", head)[0]
+    body = stream.read(size)
+    if len(body) < size:
+        raise EOFError
+    return pickle.loads(body)
 
 
 def serve(inp: BinaryIO, out: BinaryIO) -> None:
