@@ -5,12 +5,16 @@ checkpoint holds the state (params, optimiser state, step) and a manifest: the f
 config, tokenizer and token files it was trained with, the resolved config itself (to name what
 differs on a mismatch), the data position, and a checksum of the state computed on the device
 before the write. Orbax writes each checkpoint into a temporary folder and renames it when
-complete, so a half-written one is never listed; the checksum catches files damaged afterwards.
+complete, so a half-written one is never listed. The save's last act before that rename records
+the size and SHA-256 of every file (`checkpoint_files`); a restore checks them before Orbax reads
+anything, and the state's checksum catches what a bug could write wrong.
 
 Only the trainer writes to a run. It moves a damaged checkpoint aside (to `checkpoints/damaged-<step>`,
 or `damaged-<step>-<n>` when that name is taken) and uses the previous one. Readers (`load_run`:
 generate, eval, export-hf, bench) open the run read-only: they skip a damaged checkpoint with a
 warning and never delete, rename or create anything, so a run being trained is safe to read.
+A checkpoint whose files all match their record is not damaged: if the storage layer still fails
+to read it, that is one line naming the file (`Unreadable`), and nothing is moved.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import sys
 import warnings
 from collections.abc import Callable, Iterator
@@ -31,16 +36,12 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from jaxgpt.config import ModelConfig, RunConfig, build_config, load_config
-from jaxgpt.errors import UserError
+from jaxgpt.errors import Failure, UserError
 from jaxgpt.model.decoder import Params
 from jaxgpt.runs.rundir import RunDir
+from jaxgpt.train.checkpoint_files import MANIFEST_KEY, Damaged, verify, write_record
 from jaxgpt.train.state_layout import Carried, NotCarried, carry_over, leaf_names, same_layout
 from jaxgpt.train.step import TrainState, init_state
-
-
-class Damaged(ValueError):
-    """A checkpoint whose bytes are damaged: a file missing, truncated or corrupt, a manifest that
-    does not parse, a checksum that does not match. A trainer moves it aside; a reader skips it."""
 
 
 class StateMismatch(UserError):
@@ -52,21 +53,44 @@ class StateMismatch(UserError):
         self.saved_config = saved_config
 
 
-# tensorstore's and Orbax's words for bytes that are not there or not what was written.
+class Unreadable(Failure):
+    """A checkpoint whose files all match their record, which the storage layer still fails to
+    read (another tensorstore, a bug): not damage, so nothing is moved; one line names the file."""
+
+
+# tensorstore's and Orbax's words for bytes that are not there or not what was written, and the
+# storage layer's own names in its decoding errors (which carry no status word).
 DAMAGE_CODES = ("DATA_LOSS", "OUT_OF_RANGE", "NOT_FOUND", "INVALID_ARGUMENT", "FAILED_PRECONDITION")
+STORAGE_WORDS = re.compile(r"tensorstore|OCDBT|zarr|ZSTD|[Dd]ecod|[Cc]orrupt")
+# Neither memory nor a permission is damage, whatever layer reports it.
+NOT_DAMAGE = re.compile(r"PERMISSION_DENIED|[Pp]ermission denied|RESOURCE_EXHAUSTED|[Oo]ut of memory")
 
 
-def _classified(err: Exception) -> Exception:
-    """`err`, as Damaged where it says the files are damaged; as itself otherwise (memory, I/O,
-    a bug), so that nothing good is moved aside for it."""
-    if isinstance(err, (Damaged, StateMismatch)):
+def _storage_error(err: Exception) -> bool:
+    if isinstance(err, (FileNotFoundError, EOFError, json.JSONDecodeError, UnicodeDecodeError)):
+        return True
+    text = str(err)
+    return (isinstance(err, ValueError) and not NOT_DAMAGE.search(text)
+            and (any(code in text for code in DAMAGE_CODES) or bool(STORAGE_WORDS.search(text))))
+
+
+def _first_line(err: Exception) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0].split(" [tensorstore_spec=")[0][:300] if text else ""
+
+
+def _classified(err: Exception, folder: Path, verified: bool) -> Exception:
+    """`err`, as Damaged where it says the files are damaged, as Unreadable where it would but
+    every file matched its record (`verified`), as itself otherwise (memory, a permission, a bug),
+    so that nothing good is moved aside for it."""
+    if isinstance(err, (Damaged, StateMismatch)) or not _storage_error(err):
         return err
-    damaged = isinstance(err, (FileNotFoundError, EOFError, json.JSONDecodeError, UnicodeDecodeError)) or (
-        isinstance(err, ValueError) and any(code in str(err) for code in DAMAGE_CODES))
-    if not damaged:
-        return err
-    first = str(err).strip().splitlines()[0][:200] if str(err).strip() else ""
-    return Damaged(f"unreadable ({type(err).__name__}: {first})")
+    if verified:
+        named = re.findall(r'local file "([^"]+)"', str(err))
+        return Unreadable(f"checkpoint {folder} matches the checksums written with it, but "
+                          f"{named[-1] if named else 'one of its files'} cannot be read "
+                          f"({type(err).__name__}: {_first_line(err)}); nothing was moved")
+    return Damaged(f"unreadable ({type(err).__name__}: {_first_line(err)})")
 
 
 def _assemble(like: TrainState, carried: Carried, raw: dict[str, Any], fresh: TrainState | None) -> TrainState:
@@ -208,14 +232,17 @@ class Checkpointer:
         self.keep = keep
         self.read_only = read_only
         self._notices = _ReaderNotices() if read_only else None
+        self._saving: int | None = None  # the step whose save is in flight
+        self._verified: set[int] = set()  # steps whose files matched their record at the last restore
         if self._notices is not None:
             logging.getLogger("absl").addFilter(self._notices)  # until close()
         self.manager = self._open()
 
     def _open(self) -> ocp.CheckpointManager:
         if not self.read_only:
-            options = ocp.CheckpointManagerOptions(max_to_keep=self.keep, create=True, cleanup_tmp_directories=True,
-                                                   enable_async_checkpointing=True)
+            options = ocp.CheckpointManagerOptions(
+                max_to_keep=self.keep, create=True, cleanup_tmp_directories=True, enable_async_checkpointing=True,
+                async_options=ocp.AsyncOptions(post_finalization_callback=self._record_files))
             return ocp.CheckpointManager(self.directory, options=options, item_handlers=_handlers())
         options = ocp.CheckpointManagerOptions(read_only=True, create=False, cleanup_tmp_directories=False,
                                                enable_async_checkpointing=False, save_root_metadata=False,
@@ -233,10 +260,19 @@ class Checkpointer:
             raise PermissionError(f"{self.directory} is open read-only")
         step = int(state.step)
         manifest = {**manifest, "step": step, "data_step": step, "state_checksum": int(tree_checksum(state)),
-                    "state_leaves": [name for name, _ in leaf_names(state)]}
+                    "state_leaves": [name for name, _ in leaf_names(state)], MANIFEST_KEY: True}
+        self.manager.wait_until_finished()  # one save in flight: `_record_files` knows its step
+        self._saving = step
         self.manager.save(step, args=ocp.args.Composite(
             state=ocp.args.PyTreeSave(state), manifest=ocp.args.JsonSave(manifest)
         ), force=True)
+
+    def _record_files(self) -> None:
+        """Orbax's last call before it commits the save in flight (on its save thread, in the
+        primary process): the record of its files, written into the folder it is about to commit."""
+        step = self._saving
+        pending = self.directory / f"{step}{ocp.path.atomicity_types.TMP_DIR_SUFFIX}"
+        write_record(pending if pending.is_dir() else self.directory / str(step))  # else: committed by a file
 
     def steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
@@ -250,7 +286,12 @@ class Checkpointer:
         carried over or None). A saved state of another layout whose params and step match is
         carried over (`state_layout`), its new leaves taken from `fresh` (zeros without one: a
         reader needs only the params); one that is another model's raises StateMismatch. Damage
-        raises Damaged; any other error (memory, I/O) is raised as itself."""
+        raises Damaged, and a storage error on a checkpoint whose files all match their record
+        Unreadable; any other error (memory, a permission) is raised as itself."""
+        if verify(self.directory / str(step)):
+            self._verified.add(step)
+        else:
+            self._verified.discard(step)
         manifest = self._manifest(step)
         saved = self._saved_leaves(step)
         wanted = leaf_names(like)
@@ -281,7 +322,7 @@ class Checkpointer:
                 manifest = self.manager.restore(step, args=ocp.args.Composite(
                     manifest=ocp.args.JsonRestore()))["manifest"]
         except Exception as err:
-            raise _classified(err) from None
+            raise _classified(err, self.directory / str(step), step in self._verified) from None
         if not isinstance(manifest, dict) or manifest.get("step") != step:
             raise Damaged("its manifest is missing or names another step")
         return manifest
@@ -291,7 +332,7 @@ class Checkpointer:
             with _loops_that_finish_their_tasks():
                 metadata = self.manager.item_metadata(step)["state"]
         except Exception as err:
-            raise _classified(err) from None
+            raise _classified(err, self.directory / str(step), step in self._verified) from None
         tree = getattr(metadata, "tree", metadata)
         if not tree:
             raise Damaged("the description of its arrays is missing")
@@ -307,7 +348,7 @@ class Checkpointer:
                 return self.manager.restore(step, args=ocp.args.Composite(
                     state=ocp.args.PyTreeRestore(abstract, restore_args)))["state"]
         except Exception as err:
-            raise _classified(err) from None
+            raise _classified(err, self.directory / str(step), step in self._verified) from None
 
     @staticmethod
     def _saved_order(manifest: dict[str, Any], names: set[str]) -> list[str] | None:
