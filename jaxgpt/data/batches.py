@@ -104,7 +104,10 @@ def evaluate(batch_loss: Callable[[np.ndarray], Any], cfg: RunConfig, data: RunD
     """Val loss, perplexity and bits per byte over the same `eval_batches` val batches every time."""
     import jax
 
-    losses = [batch_loss(val_batch(cfg, data, i, cfg.train.seed)) for i in range(cfg.train.eval_batches)]
+    from jaxgpt.process.dispatch import InFlight
+
+    window = InFlight()  # each batch is a program over every device of a mesh: never all at once
+    losses = [window.add(batch_loss(val_batch(cfg, data, i, cfg.train.seed))) for i in range(cfg.train.eval_batches)]
     return eval_summary(np.asarray(jax.device_get(losses)), data)
 
 

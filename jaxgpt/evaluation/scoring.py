@@ -31,6 +31,7 @@ from jaxgpt.config import ModelConfig
 from jaxgpt.errors import UserError
 from jaxgpt.kernels import choose_kernels
 from jaxgpt.model.decoder import Params, forward, forward_cached, init_cache
+from jaxgpt.process.dispatch import InFlight
 
 MIN_WIDTH = 16
 MAX_SCORE_WIDTHS = 8
@@ -117,6 +118,7 @@ class _Batches:
         self.widths, self.prefix_widths, self.continuation_widths = score_widths(S), coarse_widths(S), \
             continuation_widths(S)
         self.sent: list[tuple[list[int], tuple[jax.Array, jax.Array]]] = []
+        self.window = InFlight()  # each batch is a program over every device of a mesh: never all at once
 
     def rows(self, pairs: Sequence[Pair], indices: list[int]) -> None:
         S, B = self.cfg.context_length, self.B
@@ -128,8 +130,8 @@ class _Batches:
                 whole, n, L = wholes[j], len(pairs[indices[j]][1]), len(wholes[j]) - 1
                 tokens[r, :L], targets[r, :L] = whole[:-1], whole[1:]
                 scored[r, L - n: L] = True
-            self.sent.append(([indices[j] for j in batch], _score_rows(
-                self.params, tokens, targets, scored, cfg=self.cfg, vocab_limit=self.vocab_limit)))
+            self.sent.append(([indices[j] for j in batch], self.window.add(_score_rows(
+                self.params, tokens, targets, scored, cfg=self.cfg, vocab_limit=self.vocab_limit))))
 
     def shared(self, pairs: Sequence[Pair], groups: list[list[int]]) -> None:
         """Groups of pair indices with one context each, at most `batch_size` per group. All
@@ -161,8 +163,9 @@ class _Batches:
                 tokens[r, :n], targets[r, :n] = [context[-1], *continuation[:-1]], continuation
                 scored[r, :n], owner[r] = True, p
                 members.append(i)
-        self.sent.append((members, _score_shared(self.params, prefix, prefix_length, tokens, targets, scored, owner,
-                                                 cfg=self.cfg, vocab_limit=self.vocab_limit)))
+        self.sent.append((members, self.window.add(_score_shared(
+            self.params, prefix, prefix_length, tokens, targets, scored, owner, cfg=self.cfg,
+            vocab_limit=self.vocab_limit))))
 
 
 def score_pairs(params: Params, cfg: ModelConfig, pairs: Sequence[Pair], *, batch_size: int,

@@ -61,6 +61,7 @@ from jaxgpt.data import RunData, eval_summary, prepare_data, train_batch, val_ba
 from jaxgpt.errors import UserError, did_you_mean
 from jaxgpt.model.decoder import count_params
 from jaxgpt.process import distributed
+from jaxgpt.process.dispatch import InFlight
 from jaxgpt.runs.metrics import read_jsonl
 from jaxgpt.runs.rundir import write_atomic
 from jaxgpt.tools.sweep_report import write_report
@@ -288,9 +289,11 @@ def train_group(runs: list[Member], data: RunData, *, progress: bool = True, des
     total, rhythm = cfg.train.steps, Rhythm.of(cfg.train)
     metrics: dict[str, Any] = {}
     shown: dict[str, str] = {}  # the progress bar's postfix: mean train loss and mean val loss
+    window = InFlight()  # each step is a program over every device of the group's mesh
     with tqdm(total=total, desc=desc, unit="step", dynamic_ncols=True, disable=not progress) as bar:
         for step in range(total):
             state, metrics = programs.step(state, stacked("train", step), hparams, seeds_M)
+            window.add(metrics)  # not the state, whose buffers the next step takes over (donated)
             done = step + 1
             if step == 0:
                 jax.block_until_ready(metrics)
@@ -300,7 +303,8 @@ def train_group(runs: list[Member], data: RunData, *, progress: bool = True, des
                 shown["loss"] = f"{np.nanmean(jax.device_get(metrics['loss'])):.4f}"
                 bar.set_postfix(shown, refresh=False)
             if now.eval:
-                losses_IM = np.asarray(jax.device_get([programs.evaluate(state.params, b) for b in val_batches]))
+                losses_IM = np.asarray(jax.device_get([window.add(programs.evaluate(state.params, b))
+                                                       for b in val_batches]))
                 for m in range(len(runs)):
                     evals[m].append({"step": done, **eval_summary(losses_IM[:, m], data)})
                 shown["val_loss"] = f"{np.nanmean(losses_IM):.4f}"

@@ -50,6 +50,10 @@ class SingleDevice:
     def to_saved(self, state: TrainState) -> TrainState:
         return state
 
+    def params(self, state: TrainState) -> Params:
+        """The params as checkpoints hold them (`to_saved(state).params`, without the rest)."""
+        return state.params
+
     def restore_target(self) -> Any:
         return on_one_device(sharding.state_shapes(self.cfg))
 
@@ -91,7 +95,10 @@ class Replicated(SingleDevice):
         return sharding.shard_for_pmap(batch_bW)
 
     def host_metrics(self, metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
-        return {key: value[0] for key, value in metrics.items()}  # equal on every device
+        return sharding.unreplicate(metrics)  # equal on every device
+
+    def params(self, state: TrainState) -> Params:
+        return sharding.unreplicate(state.params)
 
     def describe(self, state: TrainState) -> dict[str, Any]:
         return {"mode": self.mode, "devices": jax.local_device_count()}
@@ -177,7 +184,7 @@ class Runtime:
         return self._eval(self.params(state), self.placement.eval_batch(batch_bW))
 
     def params(self, state: TrainState) -> Params:
-        return self.to_saved(state).params
+        return self.placement.params(state)
 
     def describe(self, state: TrainState) -> dict[str, Any]:
         return self.placement.describe(state)

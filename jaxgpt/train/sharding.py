@@ -266,8 +266,19 @@ def replicate(tree: Any, devices: Sequence[jax.Device] | None = None) -> Any:
 
 
 def unreplicate(tree: Any) -> Any:
-    """The first device's copy of every leaf of a replicated tree."""
-    return jax.tree_util.tree_map(lambda x: x[0], tree)
+    """The first device's copy of every leaf of a replicated tree, on that device alone.
+
+    Read from each leaf's first shard, a program on one device: `x[0]` on the [devices, ...]
+    array is a program over every device (a slice and an all-reduce) whose result lies on every
+    device, so what then reads it (eval, the sampler, the checksum) runs on every device too, and
+    a state's dozens of leaves make a burst of such programs (`jaxgpt.process.dispatch`)."""
+    def first(x):
+        if isinstance(x, jax.Array) and len(x.sharding.device_set) > 1:
+            shard = min(x.addressable_shards, key=lambda s: (s.index[0].start or 0) if s.index else 0)
+            return shard.data[0]
+        return x[0]
+
+    return jax.tree_util.tree_map(first, tree)
 
 
 # ---------------------------------------------------------------------------------------------
