@@ -3,6 +3,7 @@ refusal on a changed model, tokenizer or corpus."""
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -473,3 +474,29 @@ def test_a_restore_whose_reads_fail_together_logs_none_of_their_errors(caplog):
             run_sync(restore(reads))
         gc.collect()
     assert [r.getMessage() for r in caplog.records if r.name == "asyncio"] == []
+
+
+def test_a_save_that_waits_for_the_previous_one_is_one_note_not_orbaxs_warnings(corpus, tmp_path, monkeypatch, capsys):
+    import logging
+
+    import jaxgpt.train.checkpoint as checkpoint_module
+
+    real = checkpoint_module.write_record
+    monkeypatch.setattr(checkpoint_module, "write_record", lambda folder: (time.sleep(1.3), real(folder)))
+    logged: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: logged.append(record.getMessage())
+    logging.getLogger("absl").addHandler(handler)
+    state = init_state(config(corpus), jax.random.key(0))
+    checkpointer = Checkpointer(tmp_path / "run", keep=5)
+    try:
+        for step in (1, 2, 3):  # each save finds the one before still writing its record
+            checkpointer.save(state.replace(step=state.step + step), {})
+    finally:
+        checkpointer.close()
+        logging.getLogger("absl").removeHandler(handler)
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and re.fullmatch(r"note: checkpoint 2 waited 1\.\d s for checkpoint 1 to be written: checkpoints "
+                                          r"come faster than they are written \(raise train\.checkpoint_every\)", err[0]), err
+    assert not [m for m in logged if "Waiting for previous save" in m]
+    assert checkpointer.steps() == [1, 2, 3]

@@ -24,6 +24,7 @@ import json
 import logging
 import re
 import sys
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -219,6 +220,19 @@ class _ReaderNotices(logging.Filter):
         return not record.getMessage().startswith(self.EXPECTED)
 
 
+class _TrainerNotices(logging.Filter):
+    """Orbax's warning that a save waited for the previous one, in absl's format: the trainer says
+    it once in its own words instead (`Checkpointer.save`)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Waiting for previous save to complete")
+
+
+# A save that waits longer than this for the previous one is worth a note: checkpoints come faster
+# than the storage takes them, and each wait stops training (Orbax warns from 1 s as well).
+SLOW_SAVE_S = 1.0
+
+
 # A reader lists the checkpoints while a trainer may remove old ones (keep_checkpoints).
 READER_OPEN_ATTEMPTS = 5
 
@@ -231,11 +245,11 @@ class Checkpointer:
         self.directory = RunDir(run_dir).checkpoints.absolute()
         self.keep = keep
         self.read_only = read_only
-        self._notices = _ReaderNotices() if read_only else None
+        self._notices = _ReaderNotices() if read_only else _TrainerNotices()
+        logging.getLogger("absl").addFilter(self._notices)  # until close()
         self._saving: int | None = None  # the step whose save is in flight
+        self._noted_slow = False
         self._verified: set[int] = set()  # steps whose files matched their record at the last restore
-        if self._notices is not None:
-            logging.getLogger("absl").addFilter(self._notices)  # until close()
         self.manager = self._open()
 
     def _open(self) -> ocp.CheckpointManager:
@@ -261,7 +275,13 @@ class Checkpointer:
         step = int(state.step)
         manifest = {**manifest, "step": step, "data_step": step, "state_checksum": int(tree_checksum(state)),
                     "state_leaves": [name for name, _ in leaf_names(state)], MANIFEST_KEY: True}
+        started = time.perf_counter()
         self.manager.wait_until_finished()  # one save in flight: `_record_files` knows its step
+        waited = time.perf_counter() - started
+        if waited > SLOW_SAVE_S and not self._noted_slow and jax.process_index() == 0:
+            self._noted_slow = True
+            print(f"note: checkpoint {step} waited {waited:.1f} s for checkpoint {self._saving} to be written: "
+                  "checkpoints come faster than they are written (raise train.checkpoint_every)", file=sys.stderr)
         self._saving = step
         self.manager.save(step, args=ocp.args.Composite(
             state=ocp.args.PyTreeSave(state), manifest=ocp.args.JsonSave(manifest)
@@ -417,8 +437,7 @@ class Checkpointer:
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
-        if self._notices is not None:
-            logging.getLogger("absl").removeFilter(self._notices)
+        logging.getLogger("absl").removeFilter(self._notices)
 
 
 def load_run_config(run_dir: str | Path) -> RunConfig:
