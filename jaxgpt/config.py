@@ -88,7 +88,15 @@ class ModelConfig:
     norm: str = entry("layernorm", IDENTITY)
     norm_eps: float = entry(1e-5, IDENTITY)
     residual: str = entry("pre", IDENTITY)
-    feed_forward: str = entry("gelu", IDENTITY)
+    feed_forward: str = entry("gelu", IDENTITY)  # "gelu" (tanh) | "swiglu" | "relu2" (ReLU squared, GELU's two matrices)
+    # Each head's queries and keys RMS-normalised without parameters, before RoPE.
+    qk_norm: bool = entry(False, IDENTITY)
+    # The first block's input (token plus position embedding) RMS-normalised without parameters.
+    embed_norm: bool = entry(False, IDENTITY)
+    # logits = cap * tanh(logits / cap) wherever logits are made (0: off).
+    logit_softcap: float = entry(0.0, IDENTITY)
+    # The attention and feed-forward output projections, and an untied head, start at zero.
+    zero_init: bool = entry(False, IDENTITY, INIT_FROM)
     bias: bool = entry(False, IDENTITY)
     tie_embeddings: bool = entry(True, IDENTITY)
     dropout: float = entry(0.0, IDENTITY, INIT_FROM)
@@ -122,11 +130,11 @@ class ModelConfig:
             object.__setattr__(self, "hidden_size", 4 * self.d_model)
         _positive(s, self, "vocab_size", "context_length", "d_model", "n_layers", "n_heads")
         _positive(s, self, "kv_heads", "hidden_size", "rope_base", "rope_scale", "norm_eps")
-        _positive(s, self, "mtp_depth", "init_std", allow_zero=True)
+        _positive(s, self, "mtp_depth", "init_std", "logit_softcap", allow_zero=True)
         _choice(s, "position", self.position, ("learned", "rope", "sinusoidal"))
         _choice(s, "norm", self.norm, ("layernorm", "rmsnorm"))
         _choice(s, "residual", self.residual, ("pre", "post"))
-        _choice(s, "feed_forward", self.feed_forward, ("gelu", "swiglu"))
+        _choice(s, "feed_forward", self.feed_forward, ("gelu", "swiglu", "relu2"))
         _choice(s, "dtype", self.dtype, ("float32", "bfloat16"))
         _choice(s, "kernels", self.kernels, ("auto", "xla"))
         _choice(s, "remat", self.remat, REMAT_POLICIES)

@@ -29,6 +29,12 @@ def _check_exportable(cfg: ModelConfig) -> str:
 
     if cfg.residual != "pre":
         refuse("residual", "(Hugging Face GPT-2 and Llama are pre-norm)")
+    if cfg.qk_norm:
+        refuse("qk_norm", "(Hugging Face GPT-2 and Llama do not normalise queries and keys)")
+    if cfg.embed_norm:
+        refuse("embed_norm", "(Hugging Face GPT-2 and Llama do not normalise the embedding)")
+    if cfg.logit_softcap:
+        refuse("logit_softcap", "(Hugging Face GPT-2 and Llama do not cap their logits)")
     if cfg.position == "sinusoidal":
         refuse("position", "(GPT-2 learns its positions, Llama rotates; neither has a fixed sinusoidal table)")
     if cfg.position == "learned":

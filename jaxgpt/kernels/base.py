@@ -42,7 +42,7 @@ class Kernels:
     # Activations between matmuls stay float32 whatever the compute dtype (only matmul operands
     # take it): for backends with low-precision matmuls but no low-precision arithmetic.
     float32_activations: bool = False
-    # The head and the mean cross-entropy in one: (h_BTC, weight, targets_BT, *, tied, dtype) ->
+    # The head and the mean cross-entropy in one: (h_BTC, weight, targets_BT, *, tied, dtype, softcap) ->
     # float32 scalar, `weight` the embedding [V, C] when tied, the head's kernel [C, V] otherwise.
     # None: the logits above, then the cross-entropy (all [B, T, V] logits in memory).
     head_loss: Callable[..., Any] | None = None

@@ -1,10 +1,11 @@
 """The head and its cross-entropy in one kernel: the mean loss without the [B, T, V] logits in memory.
 
-    loss = mean_head_loss(h_BTC, weight, targets_BT, tied=True, dtype=jnp.bfloat16)
+    loss = mean_head_loss(h_BTC, weight, targets_BT, tied=True, dtype=jnp.bfloat16, softcap=15.0)
 
 equals `optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()` of the logits
 the head would compute (`weight` is the embedding [V, C] when `tied`, the head's kernel [C, V]
-otherwise), in value and gradient. The positions are taken in chunks (a `lax.scan` over slices
+otherwise; with `softcap` > 0, those logits capped: cap * tanh(logits / cap)), in value and
+gradient. The positions are taken in chunks (a `lax.scan` over slices
 of T, so the batch axis keeps its sharding), each chunk's logits at most `logits_budget` float32
 entries: GPT-2's 32 x 1,024 x 50,304 logits are 6.6 GB, and autodiff keeps their gradient as well.
 
@@ -41,10 +42,12 @@ def _chunked(x_BT: jax.Array, n: int) -> jax.Array:
     return jnp.moveaxis(x, 1, 0).reshape(n, B * (T // n), *x_BT.shape[2:])
 
 
-def _logits(h_NC: jax.Array, w: jax.Array, tied: bool) -> jax.Array:
-    """Float32 logits of a matmul in `w`'s dtype (the compute dtype: cast once, outside the loop)."""
-    return jnp.einsum("nc,vc->nv" if tied else "nc,cv->nv", h_NC.astype(w.dtype), w,
-                      preferred_element_type=jnp.float32)
+def _logits(h_NC: jax.Array, w: jax.Array, tied: bool, cap: float) -> jax.Array:
+    """Float32 logits of a matmul in `w`'s dtype (the compute dtype: cast once, outside the loop),
+    capped at `cap` (0: not)."""
+    logits = jnp.einsum("nc,vc->nv" if tied else "nc,cv->nv", h_NC.astype(w.dtype), w,
+                        preferred_element_type=jnp.float32)
+    return cap * jnp.tanh(logits / cap) if cap else logits
 
 
 def _chunk_loss(logits_NV: jax.Array, targets_N: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -53,20 +56,20 @@ def _chunk_loss(logits_NV: jax.Array, targets_N: jax.Array) -> tuple[jax.Array, 
     return (lse_N - target_N).sum(), lse_N
 
 
-def _loss(h_BTC, weight, targets_BT, tied, dtype, logits_budget):
+def _loss(h_BTC, weight, targets_BT, tied, dtype, logits_budget, cap):
     B, T, _ = h_BTC.shape
     n = chunk_count(B, T, weight.shape[0 if tied else 1], logits_budget)
     w = weight.astype(dtype)
 
     def chunk(total, inputs):
         h_NC, targets_N = inputs
-        return total + _chunk_loss(_logits(h_NC, w, tied), targets_N)[0], None
+        return total + _chunk_loss(_logits(h_NC, w, tied, cap), targets_N)[0], None
 
     total, _ = jax.lax.scan(chunk, jnp.zeros((), jnp.float32), (_chunked(h_BTC, n), _chunked(targets_BT, n)))
     return total / (B * T)
 
 
-def _loss_and_grads(h_BTC, weight, targets_BT, tied, dtype, logits_budget):
+def _loss_and_grads(h_BTC, weight, targets_BT, tied, dtype, logits_budget, cap):
     B, T, C = h_BTC.shape
     V = weight.shape[0 if tied else 1]
     n = chunk_count(B, T, V, logits_budget)
@@ -75,9 +78,11 @@ def _loss_and_grads(h_BTC, weight, targets_BT, tied, dtype, logits_budget):
     def chunk(carry, inputs):
         total, dweight = carry
         h_NC, targets_N = inputs
-        logits_NV = _logits(h_NC, w, tied)
+        logits_NV = _logits(h_NC, w, tied, cap)
         loss, lse_N = _chunk_loss(logits_NV, targets_N)
         dlogits_NV = jnp.exp(logits_NV - lse_N[:, None]) - jax.nn.one_hot(targets_N, V, dtype=jnp.float32)
+        if cap:  # through the cap: d(cap tanh(z / cap)) / dz = 1 - (capped / cap)^2
+            dlogits_NV = dlogits_NV * (1 - jnp.square(logits_NV / cap))
         dlogits_NV = (dlogits_NV / (B * T)).astype(dtype)
         dh_NC = jnp.einsum("nv,vc->nc" if tied else "nv,cv->nc", dlogits_NV, w,
                            preferred_element_type=jnp.float32).astype(h_BTC.dtype)
@@ -94,17 +99,17 @@ def _loss_and_grads(h_BTC, weight, targets_BT, tied, dtype, logits_budget):
     return total / (B * T), (dh_BTC, dweight.astype(weight.dtype))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _mean_head_loss(h_BTC, weight, targets_BT, tied, dtype, logits_budget):
-    return _loss(h_BTC, weight, targets_BT, tied, dtype, logits_budget)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _mean_head_loss(h_BTC, weight, targets_BT, tied, dtype, logits_budget, cap):
+    return _loss(h_BTC, weight, targets_BT, tied, dtype, logits_budget, cap)
 
 
-def _fwd(h_BTC, weight, targets_BT, tied, dtype, logits_budget):
-    loss, grads = _loss_and_grads(h_BTC, weight, targets_BT, tied, dtype, logits_budget)
+def _fwd(h_BTC, weight, targets_BT, tied, dtype, logits_budget, cap):
+    loss, grads = _loss_and_grads(h_BTC, weight, targets_BT, tied, dtype, logits_budget, cap)
     return loss, (grads, targets_BT.shape)
 
 
-def _bwd(tied, dtype, logits_budget, residuals, g):
+def _bwd(tied, dtype, logits_budget, cap, residuals, g):
     (dh_BTC, dweight), targets_shape = residuals
     return ((g * dh_BTC.astype(jnp.float32)).astype(dh_BTC.dtype), (g * dweight).astype(dweight.dtype),
             np.zeros(targets_shape, jax.dtypes.float0))
@@ -114,6 +119,6 @@ _mean_head_loss.defvjp(_fwd, _bwd)
 
 
 def mean_head_loss(h_BTC: jax.Array, weight: jax.Array, targets_BT: jax.Array, *, tied: bool, dtype: Any,
-                   logits_budget: int = LOGITS_BUDGET) -> jax.Array:
-    """Mean next-token cross-entropy (float32 scalar) of the head's logits, never all held at once."""
-    return _mean_head_loss(h_BTC, weight, targets_BT.astype(jnp.int32), tied, dtype, logits_budget)
+                   logits_budget: int = LOGITS_BUDGET, softcap: float = 0.0) -> jax.Array:
+    """Mean next-token cross-entropy (float32 scalar) of the head's (capped) logits, never all held at once."""
+    return _mean_head_loss(h_BTC, weight, targets_BT.astype(jnp.int32), tied, dtype, logits_budget, float(softcap))

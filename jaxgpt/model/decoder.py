@@ -36,8 +36,10 @@ from jaxgpt.model.layers import (
     compute_dtype,
     dense_init,
     make_norm,
+    rms_normalize,
     rope_tables,
     sinusoidal_positions,
+    softcap,
     write_kv,
 )
 from jaxgpt.model.token_ids import check_token_ids
@@ -70,7 +72,8 @@ class UntiedHead(nn.Module):
     @nn.compact
     def __call__(self, h_BTC: jax.Array) -> jax.Array:
         cfg = self.cfg
-        kernel_CV = self.param("kernel", dense_init(cfg), (cfg.d_model, cfg.vocab_size), jnp.float32)
+        init = nn.initializers.zeros if cfg.zero_init else dense_init(cfg)
+        kernel_CV = self.param("kernel", init, (cfg.d_model, cfg.vocab_size), jnp.float32)
         return self.kernels.untied_logits(h_BTC, kernel_CV, compute_dtype(cfg))
 
 
@@ -108,6 +111,8 @@ class Decoder(nn.Module):
             x_BTC = x_BTC + sinusoidal_positions(positions_BT, C)
         else:
             rope = rope_tables(positions_BT, cfg.head_size, cfg.rope_scale, cfg.rope_base)
+        if cfg.embed_norm:
+            x_BTC = rms_normalize(x_BTC)
         x_BTC = nn.Dropout(cfg.dropout)(x_BTC, deterministic=self.deterministic).astype(dtype)
         chex.assert_shape(x_BTC, (B, T, C))
 
@@ -121,9 +126,10 @@ class Decoder(nn.Module):
             return jnp.stack([hidden_BTC, *(a(hidden_BTC) for a in adapters)]), None
         if cfg.tie_embeddings:
             head_VC = token_embedding.embedding
-            head = lambda h_BTC: kernels.tied_logits(h_BTC, head_VC, compute_dtype(cfg))
+            logits = lambda h_BTC: kernels.tied_logits(h_BTC, head_VC, compute_dtype(cfg))
         else:
-            head = UntiedHead(cfg, kernels, name="lm_head")
+            logits = UntiedHead(cfg, kernels, name="lm_head")
+        head = lambda h_BTC: softcap(logits(h_BTC), cfg.logit_softcap)
         logits_BTV = head(hidden_BTC)
         chex.assert_shape(logits_BTV, (B, T, V))
         if all_depths:

@@ -36,9 +36,11 @@ def dense_init(cfg: ModelConfig) -> nn.initializers.Initializer:
     return nn.initializers.normal(stddev=cfg.init_std)
 
 
-def dense(cfg: ModelConfig, kernels: Kernels, features: int, name: str) -> nn.Dense:
-    """`nn.Dense` (params `kernel` [in, features], `bias`) multiplying with the kernels' dot_general."""
-    return nn.Dense(features, use_bias=cfg.bias, dtype=activation_dtype(cfg, kernels), kernel_init=dense_init(cfg),
+def dense(cfg: ModelConfig, kernels: Kernels, features: int, name: str, output: bool = False) -> nn.Dense:
+    """`nn.Dense` (params `kernel` [in, features], `bias`) multiplying with the kernels' dot_general.
+    `output`: a projection back into the residual stream, zero at init under `model.zero_init`."""
+    init = nn.initializers.zeros if output and cfg.zero_init else dense_init(cfg)
+    return nn.Dense(features, use_bias=cfg.bias, dtype=activation_dtype(cfg, kernels), kernel_init=init,
                     dot_general=kernels.dot_general, name=name)
 
 
@@ -64,6 +66,19 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     """x divided by its root mean square over the last axis, in float32, times the gain."""
     x32 = x.astype(jnp.float32)
     return x32 * jax.lax.rsqrt(jnp.square(x32).mean(-1, keepdims=True) + eps) * scale
+
+
+def rms_normalize(x: jax.Array) -> jax.Array:
+    """x divided by its root mean square over the last axis, without parameters, in x's dtype:
+    QK-norm's and the embedding norm's. Epsilon is float32's machine epsilon, as PyTorch's
+    `F.rms_norm` takes it when none is given (the speedrun's and nanochat's norm)."""
+    x32 = x.astype(jnp.float32)
+    return (x32 * jax.lax.rsqrt(jnp.square(x32).mean(-1, keepdims=True) + jnp.finfo(jnp.float32).eps)).astype(x.dtype)
+
+
+def softcap(logits: jax.Array, cap: float) -> jax.Array:
+    """cap * tanh(logits / cap): every logit inside (-cap, cap), near-identity well below it. 0: off."""
+    return cap * jnp.tanh(logits / cap) if cap else logits
 
 
 class _Norm(nn.Module):
@@ -157,6 +172,8 @@ class CausalSelfAttention(nn.Module):
         q_BTHD = qkv[..., : H * D].reshape(B, T, H, D)
         k_BTKD = qkv[..., H * D : (H + K) * D].reshape(B, T, K, D)
         v_BTKD = qkv[..., (H + K) * D :].reshape(B, T, K, D)
+        if cfg.qk_norm:
+            q_BTHD, k_BTKD = rms_normalize(q_BTHD), rms_normalize(k_BTKD)
         if rope is not None:
             q_BTHD, k_BTKD = apply_rope(q_BTHD, rope), apply_rope(k_BTKD, rope)
 
@@ -165,7 +182,7 @@ class CausalSelfAttention(nn.Module):
         else:
             out_BTHD = cached_attention(q_BTHD, kv, (k_BTKD, v_BTKD), index)
         kv = None if index is None else (k_BTKD, v_BTKD)
-        out = dense(cfg, self.kernels, cfg.d_model, "out")(out_BTHD.reshape(B, T, H * D))
+        out = dense(cfg, self.kernels, cfg.d_model, "out", output=True)(out_BTHD.reshape(B, T, H * D))
         return nn.Dropout(cfg.dropout)(out, deterministic=self.deterministic), kv
 
 
@@ -204,7 +221,7 @@ def write_kv(cache: KV, new: KV, index_B: jax.Array) -> KV:
 
 
 class FeedForward(nn.Module):
-    """Widen to hidden_size, GELU (tanh, as GPT-2) or SwiGLU, project back."""
+    """Widen to hidden_size, GELU (tanh, as GPT-2), SwiGLU or ReLU², project back."""
 
     cfg: ModelConfig
     kernels: Kernels = PORTABLE
@@ -218,9 +235,12 @@ class FeedForward(nn.Module):
             gate_BTF = dense(cfg, self.kernels, cfg.hidden_size, "gate")(x_BTC)
             h_BTF = recomputed(lambda gate, up: nn.silu(gate) * up, self.kernels.recompute_elementwise,
                                not cfg.scan_layers)(gate_BTF, up_BTF)
+        elif cfg.feed_forward == "relu2":
+            h_BTF = recomputed(lambda up: jnp.square(nn.relu(up)), self.kernels.recompute_elementwise,
+                               not cfg.scan_layers)(up_BTF)
         else:
             h_BTF = recomputed(self.kernels.gelu, self.kernels.recompute_elementwise, not cfg.scan_layers)(up_BTF)
-        out = dense(cfg, self.kernels, cfg.d_model, "down")(h_BTF)
+        out = dense(cfg, self.kernels, cfg.d_model, "down", output=True)(h_BTF)
         return nn.Dropout(cfg.dropout)(out, deterministic=self.deterministic)
 
 

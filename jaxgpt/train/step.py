@@ -55,7 +55,8 @@ def depth_losses(params: Params, model: ModelConfig, window_BW: jax.Array, *, tr
     if kernels.head_loss is not None:
         hidden_DBTC = head_inputs(params, model, inputs_BT, train=train, rng=rng, kernels=kernels)
         weight = head_weight(params, model)
-        return jnp.stack([kernels.head_loss(h_BTC, weight, t_BT, tied=model.tie_embeddings, dtype=compute_dtype(model))
+        return jnp.stack([kernels.head_loss(h_BTC, weight, t_BT, tied=model.tie_embeddings, dtype=compute_dtype(model),
+                                            softcap=model.logit_softcap)
                           for h_BTC, t_BT in zip(hidden_DBTC, targets_DBT)])
     logits_DBTV = forward(params, model, inputs_BT, all_depths=True, train=train, rng=rng, kernels=kernels)
     losses = optax.softmax_cross_entropy_with_integer_labels(logits_DBTV.astype(jnp.float32), targets_DBT)
