@@ -187,6 +187,9 @@ class DataConfig:
         _positive("data", self, "tokenizer_sample_bytes", "shard_tokens")
 
 
+GROUP_LRS = ("lr_embed", "lr_head", "lr_scalar")
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     steps: int = entry(1500, IDENTITY, RESUME, FORCE, INIT_FROM)
@@ -196,6 +199,12 @@ class TrainConfig:
     lr: float = entry(3e-3, IDENTITY, FORCE, INIT_FROM, SWEEP)  # AdamW's peak (with "muon": that of embeddings, head, norms and biases)
     min_lr: float = entry(3e-4, IDENTITY, FORCE, INIT_FROM, SWEEP)
     muon_lr: float = entry(0.02, IDENTITY, FORCE, INIT_FROM, SWEEP)  # Muon's peak, on the same schedule shape (min_lr / lr of it at the end)
+    # Per-group peaks on lr's schedule (scaled by lr_X / lr, min_lr with it); None: lr itself.
+    # embed: the token and position embeddings (and the head, when tied); head: an untied head;
+    # scalar: norm gains and biases. With "muon", the hidden matrices stay on muon_lr.
+    lr_embed: float | None = entry(None, IDENTITY, FORCE, INIT_FROM, SWEEP)
+    lr_head: float | None = entry(None, IDENTITY, FORCE, INIT_FROM, SWEEP)
+    lr_scalar: float | None = entry(None, IDENTITY, FORCE, INIT_FROM, SWEEP)
     warmup_steps: int = entry(100, IDENTITY, FORCE, INIT_FROM, SWEEP)
     weight_decay: float = entry(0.1, IDENTITY, FORCE, INIT_FROM, SWEEP)
     beta1: float = entry(0.9, IDENTITY, FORCE, INIT_FROM, SWEEP)
@@ -232,6 +241,10 @@ class TrainConfig:
                   "seed", "mtp_weight", allow_zero=True)
         _choice(s, "parallel", self.parallel, PARALLEL_MODES)
         _choice(s, "optimizer", self.optimizer, ("adamw", "muon"))
+        for name in GROUP_LRS:
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ConfigError(f"train.{name} = {value!r} must be > 0 (or left out: train.lr)")
         if self.min_lr > self.lr:
             raise ConfigError(f"train.min_lr = {self.min_lr} exceeds train.lr = {self.lr}")
         for name in ("beta1", "beta2"):
@@ -260,6 +273,11 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
 
+    def __post_init__(self) -> None:
+        if self.model.tie_embeddings and self.train.lr_head is not None:
+            raise ConfigError(f"train.lr_head = {self.train.lr_head!r} with model.tie_embeddings = true: the head is "
+                              "the embedding, which takes train.lr_embed")
+
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
 
@@ -280,7 +298,9 @@ class RunConfig:
         lines: list[str] = []
         for section, values in self.to_dict().items():
             lines.append(f"[{section}]")
-            lines.extend(f"{key} = {_toml_value(value)}" for key, value in values.items())
+            # None (a key that follows another, as lr_embed follows lr) has no TOML form: left out,
+            # it loads as its default, None again.
+            lines.extend(f"{key} = {_toml_value(value)}" for key, value in values.items() if value is not None)
             lines.append("")
         return "\n".join(lines)
 

@@ -177,3 +177,95 @@ def test_muon_decays_its_matrices_at_muon_lr() -> None:
         if name == "['lm_head']['kernel']":
             expected = 1.0 - 1e-3 * 0.1  # AdamW's kernel, at train.lr
         np.testing.assert_allclose(leaf, expected, rtol=1e-6, err_msg=name)
+
+
+def random_like(params: dict, seed: int) -> dict:
+    leaves, tree = jax.tree_util.tree_flatten(params)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    return jax.tree_util.tree_unflatten(tree, [jax.random.normal(k, leaf.shape) for k, leaf in zip(keys, leaves)])
+
+
+def one_update(cfg: TrainConfig, params: dict, hparams=None) -> dict:
+    from jaxgpt.train.optim import OptHParams
+
+    optimizer = make_optimizer(cfg, hparams or OptHParams.from_config(cfg))
+    grads = random_like(params, 1)
+    state = optimizer.init(params)
+    for _ in range(2):  # a second step: Adam's moments carried, the schedule past its first value
+        updates, state = optimizer.update(grads, state, params)
+    return updates
+
+
+def by_group(updates: dict) -> dict[str, list]:
+    from jaxgpt.train.optim import lr_group
+
+    groups: dict[str, list] = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(updates)[0]:
+        groups.setdefault(lr_group(path), []).append(np.asarray(leaf))
+    return groups
+
+
+def test_the_groups_are_embeddings_head_scalars_and_matrices() -> None:
+    from jaxgpt.train.optim import lr_group
+
+    groups = {jax.tree_util.keystr(path): lr_group(path)
+              for path, _ in jax.tree_util.tree_flatten_with_path(with_head(small_params()))[0]}
+    assert {p for p, g in groups.items() if g == "embed"} == {
+        "['token_embedding']['embedding']", "['position_embedding']['embedding']"}
+    assert {p for p, g in groups.items() if g == "head"} == {"['lm_head']['kernel']"}
+    assert {p for p, g in groups.items() if g == "matrix"} == KERNELS
+    assert {p for p, g in groups.items() if g == "scalar"} == {
+        "['blocks']['attn_norm']['scale']", "['blocks']['attn_norm']['bias']", "['blocks']['attn']['qkv']['bias']",
+        "['final_norm']['scale']"}
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_each_group_peak_scales_its_groups_updates_alone(optimizer) -> None:
+    """Each group's AdamW update, decay included, is the one at lr times its peak over lr; the
+    others, and Muon's matrices, are untouched."""
+    params = random_like(with_head(small_params()), 0)
+    base = dataclasses.replace(CFG, optimizer=optimizer, warmup_steps=0, weight_decay=0.1, clip_norm=0.0)
+    plain = by_group(one_update(base, params))
+    grouped_cfg = dataclasses.replace(base, lr_embed=4e-3, lr_head=5e-4, lr_scalar=2e-3)
+    grouped = by_group(one_update(grouped_cfg, params))
+    for group, factor in {"embed": 4.0, "head": 0.5, "scalar": 2.0, "matrix": 1.0}.items():
+        for got, want in zip(grouped[group], plain[group]):
+            np.testing.assert_allclose(got, want * factor, rtol=1e-6, atol=1e-9, err_msg=group)
+    # A sweep member's traced peaks update as the single run's numbers do.
+    from jaxgpt.train.optim import OptHParams
+
+    traced = OptHParams(*(jnp.asarray(v, jnp.int32 if name == "warmup_steps" else jnp.float32)
+                          for name, v in OptHParams.from_config(grouped_cfg)._asdict().items()))
+    swept = by_group(jax.jit(lambda hp: one_update(grouped_cfg, params, hp))(traced))
+    for group in plain:
+        for got, want in zip(swept[group], grouped[group]):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-8, err_msg=group)
+
+
+def test_no_group_peak_keeps_the_optimiser_and_its_state_as_they_were() -> None:
+    from jaxgpt.train.optim import OptHParams, _group_scaled
+
+    hp = OptHParams.from_config(CFG)
+    assert (hp.lr_embed, hp.lr_head, hp.lr_scalar) == (CFG.lr,) * 3
+    inner = optax.adamw(1e-3)
+    assert _group_scaled(inner, hp) is inner  # nothing added: the same program
+    assert _group_scaled(inner, hp._replace(lr_head=2e-3)) is not inner
+    # With peaks, the state is laid out as without: a run's checkpoints take either.
+    params = with_head(small_params())
+    states = [make_optimizer(c).init(params) for c in (CFG, dataclasses.replace(CFG, lr_embed=2e-3, lr_scalar=1e-4))]
+    assert jax.tree_util.tree_structure(states[0]) == jax.tree_util.tree_structure(states[1])
+
+
+def test_group_peaks_are_checked_and_round_trip_through_toml(tmp_path) -> None:
+    from jaxgpt.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"^train\.lr_head = 0\.001 with model\.tie_embeddings = true: the head is "
+                                          r"the embedding, which takes train\.lr_embed$"):
+        load_config(None, ["train.lr_head=1e-3"])
+    with pytest.raises(ConfigError, match=r"^train\.lr_scalar = -0\.1 must be > 0"):
+        load_config(None, ["train.lr_scalar=-0.1"])
+    cfg = load_config(None, ["model.tie_embeddings=false", "train.lr_head=1e-3"])
+    path = tmp_path / "config.toml"
+    path.write_text(cfg.to_toml())
+    assert "lr_embed" not in path.read_text()  # None: left out, loads as None again
+    assert load_config(path) == cfg and load_config(path).train.lr_head == 1e-3

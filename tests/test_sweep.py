@@ -51,7 +51,7 @@ parallel = "single"
 """
 # Every optimiser value the sweep traces differs from the base config's.
 LR_VARIANT = ["train.lr=1e-2", "train.min_lr=1e-3", "train.warmup_steps=3", "train.weight_decay=0.05",
-              "train.beta1=0.8", "train.beta2=0.95"]
+              "train.beta1=0.8", "train.beta2=0.95", "train.lr_embed=2e-2", "train.lr_scalar=5e-3"]
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ Optionally, another codebase's figures for the same grid, reported beside ours
 
 A member is one (variant, seed) run. Members whose resolved configs differ only in the keys of
 `VMAPPED_KEYS` (the config's SWEEP keys: train.seed and the optimiser values lr, min_lr,
-warmup_steps, weight_decay, beta1, beta2, muon_lr) form a group and train together in one compiled program: `jax.vmap` over a leading member
+warmup_steps, weight_decay, beta1, beta2, muon_lr and the group peaks lr_embed, lr_head, lr_scalar) form a group and train together in one compiled program: `jax.vmap` over a leading member
 axis of the train state, the batch, the optimiser hyperparameters (`jaxgpt.train.optim.OptHParams`,
 traced) and the seed. Each member's init key, batches, dropout keys and updates are those
 `jaxgpt.train.loop.train` would use for that member's config, through the same `train_step`, so a
@@ -248,9 +248,10 @@ class GroupResult:
 
 
 def stack_hparams(configs: list[TrainConfig]) -> OptHParams:
-    """Each field an array with one entry per member (warmup_steps int32, the rest float32)."""
-    return OptHParams(*(np.array([getattr(c, name) for c in configs],
-                                 np.int32 if name == "warmup_steps" else np.float32)
+    """Each field an array with one entry per member (warmup_steps int32, the rest float32); a
+    member's group peak left out is its own lr."""
+    members = [OptHParams.from_config(c) for c in configs]
+    return OptHParams(*(np.array([getattr(m, name) for m in members], np.int32 if name == "warmup_steps" else np.float32)
                         for name in OptHParams._fields))
 
 

@@ -1,6 +1,8 @@
 """The optimiser: global-norm clipping, then AdamW with a weight-decay mask and a
 warmup + cosine learning-rate schedule; or, with `train.optimizer = "muon"`, Muon for the hidden
-weight matrices and that same AdamW for everything else.
+weight matrices and that same AdamW for everything else. AdamW's updates of the embeddings, an
+untied head and the scalars may take peaks of their own (`train.lr_embed`, `lr_head`,
+`lr_scalar`): the same schedule, scaled.
 
 Gradient accumulation is not done here: the train step scans over micro-batches and hands
 the optimiser one averaged gradient per step.
@@ -14,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxgpt.config import TrainConfig
+from jaxgpt.config import GROUP_LRS, TrainConfig
 
 
 class OptHParams(NamedTuple):
@@ -32,10 +34,15 @@ class OptHParams(NamedTuple):
     beta1: Any
     beta2: Any
     muon_lr: Any
+    lr_embed: Any
+    lr_head: Any
+    lr_scalar: Any
 
     @classmethod
     def from_config(cls, cfg: TrainConfig) -> OptHParams:
-        return cls(**{name: getattr(cfg, name) for name in cls._fields})
+        """The config's values; a group's peak left out (None) is `lr` itself."""
+        return cls(**{name: cfg.lr if name in GROUP_LRS and getattr(cfg, name) is None else getattr(cfg, name)
+                      for name in cls._fields})
 
 
 def lr_schedule(cfg: TrainConfig, hparams: OptHParams | None = None) -> optax.Schedule:
@@ -77,6 +84,35 @@ def decay_mask(params: Any) -> Any:
     axis (2-D) and embeddings are 2-D too, yet neither should be decayed.
     """
     return jax.tree_util.tree_map_with_path(lambda path, _: _leaf_name(path) == "kernel", params)
+
+
+def lr_group(path: tuple[Any, ...]) -> str:
+    """A leaf's learning-rate group: "embed" (the token and position embeddings, so a tied head
+    too), "head" (an untied head), "scalar" (norm gains, biases: every leaf not a `kernel`) or
+    "matrix" (the rest, at `lr` or on Muon)."""
+    where = jax.tree_util.keystr(path)
+    if "token_embedding" in where or "position_embedding" in where:
+        return "embed"
+    if "lm_head" in where:
+        return "head"
+    return "matrix" if _leaf_name(path) == "kernel" else "scalar"
+
+
+def _group_scaled(inner: optax.GradientTransformation, hp: OptHParams) -> optax.GradientTransformation:
+    """`inner`'s updates times each group's peak over `lr`. No state of its own, so a run's
+    optimiser state is laid out the same with or without group peaks; when every factor is the
+    number 1 (a single run that sets none), `inner` itself."""
+    factors = {"embed": hp.lr_embed / hp.lr, "head": hp.lr_head / hp.lr, "scalar": hp.lr_scalar / hp.lr}
+    if all(isinstance(f, float) and f == 1.0 for f in factors.values()):
+        return inner
+
+    def update(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
+        updates, state = inner.update(updates, state, params)
+        return jax.tree_util.tree_map_with_path(
+            lambda path, u: u * jnp.asarray(factors[group], u.dtype) if (group := lr_group(path)) in factors else u,
+            updates), state
+
+    return optax.GradientTransformation(inner.init, update)
 
 
 MUON_MOMENTUM = 0.95  # Muon's own (Nesterov) momentum; beta1 and beta2 are the AdamW part's
@@ -123,9 +159,9 @@ def make_optimizer(cfg: TrainConfig, hparams: OptHParams | None = None) -> optax
     """
     hp = OptHParams.from_config(cfg) if hparams is None else hparams
     schedule = lr_schedule(cfg, hp)
-    update: optax.GradientTransformation = optax.adamw(
+    update: optax.GradientTransformation = _group_scaled(optax.adamw(
         schedule, b1=hp.beta1, b2=hp.beta2, eps=cfg.adam_eps, weight_decay=hp.weight_decay, mask=decay_mask,
-    )
+    ), hp)
     if cfg.optimizer == "muon":
         muon_schedule = lambda count: schedule(count) * (hp.muon_lr / hp.lr)  # noqa: E731
         update = optax.partition(
