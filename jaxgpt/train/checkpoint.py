@@ -62,7 +62,7 @@ class Unreadable(Failure):
 # tensorstore's and Orbax's words for bytes that are not there or not what was written, and the
 # storage layer's own names in its decoding errors (which carry no status word).
 DAMAGE_CODES = ("DATA_LOSS", "OUT_OF_RANGE", "NOT_FOUND", "INVALID_ARGUMENT", "FAILED_PRECONDITION")
-STORAGE_WORDS = re.compile(r"tensorstore|OCDBT|zarr|ZSTD|[Dd]ecod|[Cc]orrupt")
+STORAGE_WORDS = re.compile(r"(?i)tensorstore|OCDBT|zarr|ZSTD|decod|corrupt")
 # Neither memory nor a permission is damage, whatever layer reports it.
 NOT_DAMAGE = re.compile(r"PERMISSION_DENIED|[Pp]ermission denied|RESOURCE_EXHAUSTED|[Oo]ut of memory")
 
@@ -71,8 +71,10 @@ def _storage_error(err: Exception) -> bool:
     if isinstance(err, (FileNotFoundError, EOFError, json.JSONDecodeError, UnicodeDecodeError)):
         return True
     text = str(err)
-    return (isinstance(err, ValueError) and not NOT_DAMAGE.search(text)
-            and (any(code in text for code in DAMAGE_CODES) or bool(STORAGE_WORDS.search(text))))
+    if NOT_DAMAGE.search(text) or isinstance(err, (MemoryError, OSError)):
+        return False
+    # Orbax re-raises a failed array read as a bare Exception naming TensorStore, so the words decide.
+    return (isinstance(err, ValueError) and any(code in text for code in DAMAGE_CODES)) or bool(STORAGE_WORDS.search(text))
 
 
 def _first_line(err: Exception) -> str:
