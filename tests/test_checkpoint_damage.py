@@ -11,25 +11,12 @@ from pathlib import Path
 
 import pytest
 from jaxgpt_lines import foreign_lines
-from test_checkpoint import OVERRIDES, STEPS, assert_bitwise_equal, config, full_state, write_corpus
+from test_checkpoint import OVERRIDES, STEPS, assert_bitwise_equal, corpus, full_state, reference  # noqa: F401 (fixtures)
 
-import jaxgpt.train.loop as train_module
 from jaxgpt.cli.main import main
 from jaxgpt.train.checkpoint_files import MANIFEST_KEY, RECORD, write_record
 
 EVERY = 4  # test_checkpoint's train.checkpoint_every
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return write_corpus(tmp_path_factory.mktemp("corpus") / "corpus.txt")
-
-
-@pytest.fixture(scope="module")
-def reference(corpus, tmp_path_factory):
-    run = tmp_path_factory.mktemp("reference") / "run"
-    train_module.train(config(corpus), run, progress=False)
-    return run, full_state(run)
 
 
 def resume(corpus, run, capsys) -> tuple[int, list[str]]:
