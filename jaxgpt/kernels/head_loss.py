@@ -42,12 +42,18 @@ def _chunked(x_BT: jax.Array, n: int) -> jax.Array:
     return jnp.moveaxis(x, 1, 0).reshape(n, B * (T // n), *x_BT.shape[2:])
 
 
+def softcap(logits: jax.Array, cap: float) -> jax.Array:
+    """cap * tanh(logits / cap): every logit inside (-cap, cap), near-identity well below it. 0: off.
+    The model's head applies it too (`jaxgpt.model.decoder`)."""
+    return cap * jnp.tanh(logits / cap) if cap else logits
+
+
 def _logits(h_NC: jax.Array, w: jax.Array, tied: bool, cap: float) -> jax.Array:
     """Float32 logits of a matmul in `w`'s dtype (the compute dtype: cast once, outside the loop),
     capped at `cap` (0: not)."""
     logits = jnp.einsum("nc,vc->nv" if tied else "nc,cv->nv", h_NC.astype(w.dtype), w,
                         preferred_element_type=jnp.float32)
-    return cap * jnp.tanh(logits / cap) if cap else logits
+    return softcap(logits, cap)
 
 
 def _chunk_loss(logits_NV: jax.Array, targets_N: jax.Array) -> tuple[jax.Array, jax.Array]:

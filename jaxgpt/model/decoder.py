@@ -72,8 +72,7 @@ class UntiedHead(nn.Module):
     @nn.compact
     def __call__(self, h_BTC: jax.Array) -> jax.Array:
         cfg = self.cfg
-        init = nn.initializers.zeros if cfg.zero_init else dense_init(cfg)
-        kernel_CV = self.param("kernel", init, (cfg.d_model, cfg.vocab_size), jnp.float32)
+        kernel_CV = self.param("kernel", dense_init(cfg, output=True), (cfg.d_model, cfg.vocab_size), jnp.float32)
         return self.kernels.untied_logits(h_BTC, kernel_CV, compute_dtype(cfg))
 
 

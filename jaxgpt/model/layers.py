@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from jaxgpt.config import ModelConfig
 from jaxgpt.kernels import PORTABLE, Kernels
+from jaxgpt.kernels.head_loss import softcap  # noqa: F401  (the head's cap, one definition for model and fused loss)
 
 Rope = tuple[jax.Array, jax.Array]  # (cos, sin), each [B, T, D/2] float32
 KV = tuple[jax.Array, jax.Array]  # one layer's cached keys and values, each [B, S, K, D]
@@ -32,15 +33,16 @@ def activation_dtype(cfg: ModelConfig, kernels: Kernels) -> Any:
     return jnp.float32 if kernels.float32_activations else compute_dtype(cfg)
 
 
-def dense_init(cfg: ModelConfig) -> nn.initializers.Initializer:
-    return nn.initializers.normal(stddev=cfg.init_std)
+def dense_init(cfg: ModelConfig, output: bool = False) -> nn.initializers.Initializer:
+    """N(0, init_std); zeros for an `output` (a projection into the residual stream, or an untied
+    head) under `model.zero_init`."""
+    return nn.initializers.zeros if output and cfg.zero_init else nn.initializers.normal(stddev=cfg.init_std)
 
 
 def dense(cfg: ModelConfig, kernels: Kernels, features: int, name: str, output: bool = False) -> nn.Dense:
     """`nn.Dense` (params `kernel` [in, features], `bias`) multiplying with the kernels' dot_general.
     `output`: a projection back into the residual stream, zero at init under `model.zero_init`."""
-    init = nn.initializers.zeros if output and cfg.zero_init else dense_init(cfg)
-    return nn.Dense(features, use_bias=cfg.bias, dtype=activation_dtype(cfg, kernels), kernel_init=init,
+    return nn.Dense(features, use_bias=cfg.bias, dtype=activation_dtype(cfg, kernels), kernel_init=dense_init(cfg, output),
                     dot_general=kernels.dot_general, name=name)
 
 
@@ -72,13 +74,7 @@ def rms_normalize(x: jax.Array) -> jax.Array:
     """x divided by its root mean square over the last axis, without parameters, in x's dtype:
     QK-norm's and the embedding norm's. Epsilon is float32's machine epsilon, as PyTorch's
     `F.rms_norm` takes it when none is given (the speedrun's and nanochat's norm)."""
-    x32 = x.astype(jnp.float32)
-    return (x32 * jax.lax.rsqrt(jnp.square(x32).mean(-1, keepdims=True) + jnp.finfo(jnp.float32).eps)).astype(x.dtype)
-
-
-def softcap(logits: jax.Array, cap: float) -> jax.Array:
-    """cap * tanh(logits / cap): every logit inside (-cap, cap), near-identity well below it. 0: off."""
-    return cap * jnp.tanh(logits / cap) if cap else logits
+    return rms_norm(x, jnp.float32(1.0), float(jnp.finfo(jnp.float32).eps)).astype(x.dtype)
 
 
 class _Norm(nn.Module):
