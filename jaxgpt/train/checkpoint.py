@@ -344,7 +344,7 @@ class Checkpointer:
                 manifest = self.manager.restore(step, args=ocp.args.Composite(
                     manifest=ocp.args.JsonRestore()))["manifest"]
         except Exception as err:
-            raise _classified(err, self.directory / str(step), step in self._verified) from None
+            raise self._classified(err, step) from None
         if not isinstance(manifest, dict) or manifest.get("step") != step:
             raise Damaged("its manifest is missing or names another step")
         return manifest
@@ -354,7 +354,7 @@ class Checkpointer:
             with _loops_that_finish_their_tasks():
                 metadata = self.manager.item_metadata(step)["state"]
         except Exception as err:
-            raise _classified(err, self.directory / str(step), step in self._verified) from None
+            raise self._classified(err, step) from None
         tree = getattr(metadata, "tree", metadata)
         if not tree:
             raise Damaged("the description of its arrays is missing")
@@ -370,7 +370,11 @@ class Checkpointer:
                 return self.manager.restore(step, args=ocp.args.Composite(
                     state=ocp.args.PyTreeRestore(abstract, restore_args)))["state"]
         except Exception as err:
-            raise _classified(err, self.directory / str(step), step in self._verified) from None
+            raise self._classified(err, step) from None
+
+    def _classified(self, err: Exception, step: int) -> Exception:
+        """`err` as `_classified` takes it for checkpoint `step`, knowing whether its files verified."""
+        return _classified(err, self.directory / str(step), step in self._verified)
 
     @staticmethod
     def _saved_order(manifest: dict[str, Any], names: set[str]) -> list[str] | None:

@@ -121,9 +121,7 @@ MUON_MOMENTUM = 0.95  # Muon's own (Nesterov) momentum; beta1 and beta2 are the 
 def muon_mask(params: Any) -> Any:
     """True for the leaves Muon updates: the hidden weight matrices (every `kernel` but the output
     head's). Embeddings, the head, norms and biases stay with AdamW, as in Muon's own recipe."""
-    def is_hidden_matrix(path: tuple[Any, ...], leaf: Any) -> bool:
-        return _leaf_name(path) == "kernel" and leaf.ndim >= 2 and "lm_head" not in jax.tree_util.keystr(path)
-    return jax.tree_util.tree_map_with_path(is_hidden_matrix, params)
+    return jax.tree_util.tree_map_with_path(lambda path, leaf: lr_group(path) == "matrix" and leaf.ndim >= 2, params)
 
 
 def _matrix_axes(updates: Any) -> Any:
