@@ -85,6 +85,9 @@ class ModelConfig:
     position: str = entry("learned", IDENTITY)  # "learned" | "rope" | "sinusoidal" (a fixed sin/cos table, no parameters)
     rope_base: float = entry(10000.0, IDENTITY)
     rope_scale: float = entry(1.0, IDENTITY)
+    # The speedrun's half-truncated RoPE: head_size / 4 frequencies from 1 down to 1 / rope_base
+    # (a geometric series, both ends included), the other head_size / 4 pairs unrotated.
+    rope_truncated: bool = entry(False, IDENTITY)
     norm: str = entry("layernorm", IDENTITY)
     norm_eps: float = entry(1e-5, IDENTITY)
     residual: str = entry("pre", IDENTITY)
@@ -97,6 +100,20 @@ class ModelConfig:
     logit_softcap: float = entry(0.0, IDENTITY)
     # The attention and feed-forward output projections, and an untied head, start at zero.
     zero_init: bool = entry(False, IDENTITY, INIT_FROM)
+    # Each block starts from a * x + b * x0 (x0: the first block's input), a and b learned per
+    # block, 1 and 0 at init.
+    x0_mix: bool = entry(False, IDENTITY)
+    # U-net skips: block i's output (i < n_layers // 2), times a learned weight (1 at init), is
+    # added to the input of block n_layers - 1 - i, before its x0 mix. With an odd n_layers the
+    # middle block neither gives nor takes a skip.
+    unet_skips: bool = entry(False, IDENTITY)
+    # N more embedding tables [V, kv_heads * head_size] whose lookups are mixed into the
+    # attention values of the first N and the last N blocks (tables 0..N-1 twice): each block's
+    # values become l0 * v + l1 * ve (l0, l1 learned, 0.5 at init; l0 * v where no table feeds
+    # the block). 0: off.
+    value_embeds: int = entry(0, IDENTITY)
+    # The attention logits' scale; 0: 1 / sqrt(head_size).
+    attention_scale: float = entry(0.0, IDENTITY)
     bias: bool = entry(False, IDENTITY)
     tie_embeddings: bool = entry(True, IDENTITY)
     dropout: float = entry(0.0, IDENTITY, INIT_FROM)
@@ -130,7 +147,8 @@ class ModelConfig:
             object.__setattr__(self, "hidden_size", 4 * self.d_model)
         _positive(s, self, "vocab_size", "context_length", "d_model", "n_layers", "n_heads")
         _positive(s, self, "kv_heads", "hidden_size", "rope_base", "rope_scale", "norm_eps")
-        _positive(s, self, "mtp_depth", "init_std", "logit_softcap", allow_zero=True)
+        _positive(s, self, "mtp_depth", "init_std", "logit_softcap", "value_embeds", "attention_scale",
+                  allow_zero=True)
         _choice(s, "position", self.position, ("learned", "rope", "sinusoidal"))
         _choice(s, "norm", self.norm, ("layernorm", "rmsnorm"))
         _choice(s, "residual", self.residual, ("pre", "post"))
@@ -152,6 +170,18 @@ class ModelConfig:
             raise ConfigError(f"model.position = 'sinusoidal' needs an even d_model, got {self.d_model}")
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout = {self.dropout!r} must be in [0, 1)")
+        if 2 * self.value_embeds > self.n_layers:
+            raise ConfigError(
+                f"model.value_embeds = {self.value_embeds} feeds the first and the last {self.value_embeds} "
+                f"blocks, more than model.n_layers = {self.n_layers} holds (2 x value_embeds <= n_layers)"
+            )
+        if self.unet_skips and self.n_layers < 2:
+            raise ConfigError("model.unet_skips needs n_layers >= 2 (the first half's outputs skip to the second half)")
+        if self.rope_truncated and (self.position != "rope" or self.head_size % 4):
+            raise ConfigError(
+                f"model.rope_truncated needs position = 'rope' and a head size divisible by 4, got "
+                f"position = {self.position!r}, head size {self.head_size}"
+            )
 
     @property
     def head_size(self) -> int:

@@ -50,8 +50,11 @@ def expected_params(cfg: ModelConfig) -> int:
         attention += (cfg.n_heads + 2 * cfg.kv_heads) * D + C
     n_mats = 3 if cfg.feed_forward == "swiglu" else 2
     feed_forward = n_mats * C * F + (((n_mats - 1) * F + C) if cfg.bias else 0)
-    block = attention + feed_forward + 2 * norm
+    # The shortcuts: a and b of the x0 mix, the two value-mixing scalars, per block.
+    block = attention + feed_forward + 2 * norm + 2 * cfg.x0_mix + 2 * bool(cfg.value_embeds)
     total = cfg.n_layers * block + cfg.vocab_size * C + norm
+    total += cfg.n_layers // 2 if cfg.unet_skips else 0
+    total += cfg.value_embeds * cfg.vocab_size * cfg.kv_heads * D
     total += cfg.context_length * C if cfg.position == "learned" else 0
     total += 0 if cfg.tie_embeddings else C * cfg.vocab_size
     total += cfg.mtp_depth * (feed_forward + norm)

@@ -132,13 +132,103 @@ def test_the_embedding_norm_ignores_the_embeddings_scale():
 def test_every_new_switch_together_is_causal_and_cache_exact(scan):
     check_causal_and_cache_exact(dataclasses.replace(
         ROPE, qk_norm=True, feed_forward="relu2", zero_init=False, logit_softcap=15.0, embed_norm=True,
-        tie_embeddings=False, kv_heads=2, scan_layers=scan))
+        tie_embeddings=False, kv_heads=2, n_layers=3, x0_mix=True, unet_skips=True, value_embeds=1,
+        rope_truncated=True, attention_scale=0.2, scan_layers=scan))
+
+
+SHORTCUTS = dataclasses.replace(ROPE, n_layers=5, kv_heads=2, scan_layers=False)
+
+
+def perturbed(params, path, delta):
+    """`params` with the leaf at `path` (a tuple of keys) plus `delta`."""
+    head, *rest = path
+    if not rest:
+        return {**params, head: params[head] + delta}
+    return {**params, head: perturbed(params[head], tuple(rest), delta)}
+
+
+@pytest.mark.parametrize("overrides", [{"x0_mix": True}, {"unet_skips": True}, {"value_embeds": 2}],
+                         ids=["x0_mix", "unet_skips", "value_embeds"])
+def test_the_shortcuts_cost_a_few_scalars_per_block_and_value_tables_n_v_kd(overrides):
+    cfg = dataclasses.replace(SHORTCUTS, **overrides)
+    extra = count_params(init_params(cfg, jax.random.key(0))) - count_params(init_params(SHORTCUTS, jax.random.key(0)))
+    assert extra == expected_params(cfg) - expected_params(SHORTCUTS)
+    K_D = cfg.kv_heads * cfg.head_size  # the value width: 16 here, half of d_model under GQA
+    assert extra == {"x0_mix": 2 * 5, "unet_skips": 5 // 2, "value_embeds": 2 * cfg.vocab_size * K_D + 2 * 5}[
+        next(iter(overrides))]
+
+
+def test_x0_mix_starts_as_the_plain_stack_and_its_a_gates_the_previous_blocks():
+    cfg = dataclasses.replace(SHORTCUTS, x0_mix=True)
+    tokens = random_tokens(cfg, 2, 12)
+    params = init_params(cfg, jax.random.key(0))
+    plain = {k: ({**v} if k.startswith("block_") else v) for k, v in params.items()}
+    for i in range(cfg.n_layers):
+        np.testing.assert_array_equal(params[f"block_{i}"]["x0_mix"], [1.0, 0.0])
+        del plain[f"block_{i}"]["x0_mix"]
+    np.testing.assert_allclose(logits_of(cfg, params, tokens), logits_of(SHORTCUTS, plain, tokens), atol=1e-6)
+    # With a = 0 in the last block, nothing before it reaches the head: block 0's weights do not matter.
+    params = perturbed(params, ("block_4", "x0_mix"), jnp.array([-1.0, 0.7]))
+    moved = perturbed(params, ("block_0", "attention", "qkv", "kernel"), 0.5)
+    np.testing.assert_allclose(logits_of(cfg, moved, tokens), logits_of(cfg, params, tokens), atol=1e-6)
+    kept = perturbed(params, ("block_4", "x0_mix"), jnp.array([0.5, 0.0]))
+    assert np.abs(logits_of(cfg, perturbed(kept, ("block_0", "attention", "qkv", "kernel"), 0.5), tokens)
+                  - logits_of(cfg, kept, tokens)).max() > 1e-3
+
+
+def test_unet_skips_join_the_halves_in_reverse_and_the_odd_middle_block_takes_none():
+    from jaxgpt.model.shortcuts import skip_plan
+
+    takes, reads, writes = skip_plan(5)
+    assert takes.tolist() == [False, False, False, True, True]
+    assert reads[takes].tolist() == [1, 0]  # block 3 takes block 1's output, block 4 block 0's
+    assert writes.tolist() == [0, 1, 2, 2, 2]  # slot 2: written by the rest, read by none
+    cfg = dataclasses.replace(SHORTCUTS, unet_skips=True)
+    tokens = random_tokens(cfg, 2, 12)
+    params = init_params(cfg, jax.random.key(0))
+    np.testing.assert_array_equal(params["skip_weights"], [1.0, 1.0])
+    plain = {k: v for k, v in params.items() if k != "skip_weights"}
+    silent = {**params, "skip_weights": jnp.zeros(2)}
+    np.testing.assert_allclose(logits_of(cfg, silent, tokens), logits_of(SHORTCUTS, plain, tokens), atol=1e-6)
+    assert np.abs(logits_of(cfg, params, tokens) - logits_of(SHORTCUTS, plain, tokens)).max() > 1e-3
+
+
+def test_value_embeddings_feed_the_first_and_last_n_blocks_only():
+    cfg = dataclasses.replace(SHORTCUTS, value_embeds=2)
+    tokens = random_tokens(cfg, 2, 12)
+    params = init_params(cfg, jax.random.key(0))
+    base = logits_of(cfg, params, tokens)
+    for i in range(cfg.n_layers):  # the table's weight l1 matters only where a table feeds the block
+        moved = logits_of(cfg, perturbed(params, (f"block_{i}", "attention", "value_mix"), jnp.array([0.0, 1.0])), tokens)
+        assert (np.abs(moved - base).max() > 1e-4) == (i != 2), i
+    for table in range(2):  # and both tables are read
+        moved = perturbed(params, ("value_embeds",), jnp.zeros_like(params["value_embeds"]).at[table].set(0.3))
+        assert np.abs(logits_of(cfg, moved, tokens) - base).max() > 1e-4, table
+
+
+def test_the_new_leaves_fall_in_their_learning_rate_groups():
+    from jaxgpt.train.optim import lr_group
+
+    cfg = dataclasses.replace(SHORTCUTS, x0_mix=True, unet_skips=True, value_embeds=1, scan_layers=True)
+    groups = {jax.tree_util.keystr(path): lr_group(path)
+              for path, _ in jax.tree_util.tree_leaves_with_path(init_params(cfg, jax.random.key(0)))}
+    assert groups["['value_embeds']"] == "embed"
+    assert groups["['skip_weights']"] == groups["['blocks']['x0_mix']"] == "scalar"
+    assert groups["['blocks']['attention']['value_mix']"] == "scalar"
 
 
 @pytest.mark.parametrize("overrides,message", [
     ({"logit_softcap": -1.0}, "model.logit_softcap = -1.0 must be >= 0"),
     ({"logit_softcap": float("nan")}, "model.logit_softcap = nan must be a finite number"),
     ({"feed_forward": "relu3"}, "model.feed_forward = 'relu3' is not one of gelu, swiglu, relu2"),
+    ({"value_embeds": 2, "n_layers": 3}, "model.value_embeds = 2 feeds the first and the last 2 blocks, more than "
+                                        "model.n_layers = 3 holds (2 x value_embeds <= n_layers)"),
+    ({"value_embeds": -1}, "model.value_embeds = -1 must be >= 0"),
+    ({"attention_scale": float("nan")}, "model.attention_scale = nan must be a finite number"),
+    ({"unet_skips": True, "n_layers": 1}, "model.unet_skips needs n_layers >= 2 (the first half's outputs skip to "
+                                          "the second half)"),
+    ({"rope_truncated": True}, "model.rope_truncated needs position = 'rope' and a head size divisible by 4, got "
+                               "position = 'learned', head size 32"),
 ])
 def test_bad_switch_values_are_one_line_naming_the_key(overrides, message):
     with pytest.raises(ConfigError) as raised:
@@ -148,7 +238,9 @@ def test_bad_switch_values_are_one_line_naming_the_key(overrides, message):
 
 @pytest.mark.parametrize("overrides,option", [
     ({"qk_norm": True}, "qk_norm"), ({"embed_norm": True}, "embed_norm"), ({"logit_softcap": 30.0}, "logit_softcap"),
-    ({"feed_forward": "relu2"}, "feed_forward"),
+    ({"feed_forward": "relu2"}, "feed_forward"), ({"x0_mix": True}, "x0_mix"), ({"unet_skips": True}, "unet_skips"),
+    ({"value_embeds": 1}, "value_embeds"), ({"attention_scale": 0.1}, "attention_scale"),
+    ({"position": "rope", "norm": "rmsnorm", "rope_truncated": True}, "rope_truncated"),
 ])
 def test_export_refuses_each_switch_transformers_cannot_hold(overrides, option):
     with pytest.raises(UserError, match=rf"^cannot export to Hugging Face: model\.{option} = "):

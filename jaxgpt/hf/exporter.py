@@ -35,6 +35,16 @@ def _check_exportable(cfg: ModelConfig) -> str:
         refuse("embed_norm", "(Hugging Face GPT-2 and Llama do not normalise the embedding)")
     if cfg.logit_softcap:
         refuse("logit_softcap", "(Hugging Face GPT-2 and Llama do not cap their logits)")
+    if cfg.x0_mix:
+        refuse("x0_mix", "(Hugging Face GPT-2 and Llama do not mix the embedding into each block)")
+    if cfg.unet_skips:
+        refuse("unet_skips", "(Hugging Face GPT-2 and Llama have no skips between blocks)")
+    if cfg.value_embeds:
+        refuse("value_embeds", "(Hugging Face GPT-2 and Llama have no value embeddings)")
+    if cfg.attention_scale:
+        refuse("attention_scale", "(Hugging Face GPT-2 and Llama scale attention by 1 / sqrt(head size))")
+    if cfg.rope_truncated:
+        refuse("rope_truncated", "(Hugging Face Llama rotates every pair of a head)")
     if cfg.position == "sinusoidal":
         refuse("position", "(GPT-2 learns its positions, Llama rotates; neither has a fixed sinusoidal table)")
     if cfg.position == "learned":

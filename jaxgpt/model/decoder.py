@@ -42,6 +42,7 @@ from jaxgpt.model.layers import (
     softcap,
     write_kv,
 )
+from jaxgpt.model.shortcuts import Shared, empty_skips, layer_step, layer_table
 from jaxgpt.model.token_ids import check_token_ids
 
 Params = dict[str, Any]
@@ -109,15 +110,25 @@ class Decoder(nn.Module):
         elif cfg.position == "sinusoidal":
             x_BTC = x_BTC + sinusoidal_positions(positions_BT, C)
         else:
-            rope = rope_tables(positions_BT, cfg.head_size, cfg.rope_scale, cfg.rope_base)
+            rope = rope_tables(positions_BT, cfg.head_size, cfg.rope_scale, cfg.rope_base, cfg.rope_truncated)
         if cfg.embed_norm:
             x_BTC = rms_normalize(x_BTC)
         x_BTC = nn.Dropout(cfg.dropout)(x_BTC, deterministic=self.deterministic).astype(dtype)
         chex.assert_shape(x_BTC, (B, T, C))
 
+        shared = Shared(x0_BTC=x_BTC if cfg.x0_mix else None)
+        if cfg.value_embeds:
+            # Initialised at the spread of the values they join: unit-RMS inputs times init_std weights.
+            tables_NVX = self.param("value_embeds", nn.initializers.normal(cfg.init_std * C**0.5),
+                                    (cfg.value_embeds, V, cfg.kv_heads * cfg.head_size), jnp.float32)
+            shared = shared._replace(value_lookups=jnp.take(tables_NVX, token_ids_BT, axis=1).astype(dtype))
+        skip_weights = None
+        if cfg.unet_skips:
+            skip_weights = self.param("skip_weights", nn.initializers.ones, (cfg.n_layers // 2,), jnp.float32)
+
         kv = None if cache is None or fresh else (cache["k"], cache["v"])
         index = None if cache is None else cache["index"]
-        x_BTC, kv = self._blocks(x_BTC, rope, kv, index)
+        x_BTC, kv = self._blocks(x_BTC, rope, kv, index, shared, layer_table(cfg, skip_weights))
 
         hidden_BTC = make_norm(cfg, kernels, "final_norm")(x_BTC)
         if stop_before_head:  # what the head reads at each depth, for a loss that runs the head itself
@@ -144,24 +155,29 @@ class Decoder(nn.Module):
             new_cache = {"k": k, "v": v, "index": cache["index"] + T}
         return logits_BTV, new_cache
 
-    def _blocks(self, x_BTC, rope, kv, index):
+    def _blocks(self, x_BTC, rope, kv, index, shared, table):
         cfg = self.cfg
         block_cls = _block_class(cfg, self.kernels)
+        step = layer_step(cfg)
+        carry = (x_BTC, empty_skips(cfg, x_BTC)) if cfg.unet_skips else x_BTC
         if cfg.scan_layers:
-            stack = nn.scan(block_cls, variable_axes={"params": 0}, split_rngs={"params": True, "dropout": True},
-                            in_axes=(nn.broadcast, 0, nn.broadcast), length=cfg.n_layers,
-                            unroll=min(self.kernels.scan_unroll, cfg.n_layers),
-                            )(cfg, self.kernels, self.deterministic, self.train, name="blocks")
-            return stack(x_BTC, rope, kv, index)
-        new_k, new_v = [], []
-        for i in range(cfg.n_layers):
-            layer_kv = None if kv is None else (kv[0][i], kv[1][i])
-            x_BTC, layer_kv = block_cls(cfg, self.kernels, self.deterministic, self.train, name=f"block_{i}")(
-                x_BTC, rope, layer_kv, index)
-            if layer_kv is not None:
-                new_k.append(layer_kv[0])
-                new_v.append(layer_kv[1])
-        return x_BTC, ((jnp.stack(new_k), jnp.stack(new_v)) if new_k else None)
+            stack = nn.scan(step, variable_axes={"params": 0}, split_rngs={"params": True, "dropout": True},
+                            in_axes=(nn.broadcast, 0, nn.broadcast, nn.broadcast, 0), length=cfg.n_layers,
+                            unroll=min(self.kernels.scan_unroll, cfg.n_layers))
+            carry, kv = stack(block_cls(cfg, self.kernels, self.deterministic, self.train, name="blocks"),
+                              carry, rope, kv, index, shared, table)
+        else:
+            new_k, new_v = [], []
+            for i in range(cfg.n_layers):
+                layer_kv = None if kv is None else (kv[0][i], kv[1][i])
+                block = block_cls(cfg, self.kernels, self.deterministic, self.train, name=f"block_{i}")
+                carry, layer_kv = step(block, carry, rope, layer_kv, index, shared,
+                                       {key: column[i] for key, column in table.items()})
+                if layer_kv is not None:
+                    new_k.append(layer_kv[0])
+                    new_v.append(layer_kv[1])
+            kv = (jnp.stack(new_k), jnp.stack(new_v)) if new_k else None
+        return (carry[0] if cfg.unet_skips else carry), kv
 
 
 def _block_class(cfg: ModelConfig, kernels: Kernels) -> type[nn.Module]:

@@ -21,6 +21,9 @@ from jaxgpt.kernels.head_loss import softcap  # noqa: F401  (the head's cap, one
 
 Rope = tuple[jax.Array, jax.Array]  # (cos, sin), each [B, T, D/2] float32
 KV = tuple[jax.Array, jax.Array]  # one layer's cached keys and values, each [B, S, K, D]
+# What model.value_embeds hands one block: every table's lookup of the tokens [N, B, T, K*D],
+# the index of this block's table, and 1.0 where a table feeds the block (0.0 where none does).
+ValueEmbeds = tuple[jax.Array, jax.Array, jax.Array]
 
 
 def compute_dtype(cfg: ModelConfig) -> Any:
@@ -117,9 +120,16 @@ def make_norm(cfg: ModelConfig, kernels: Kernels, name: str | None = None) -> nn
                 prevent_cse=not cfg.scan_layers, name=name)
 
 
-def rope_tables(positions_BT: jax.Array, head_size: int, scale: float, base: float) -> Rope:
-    """cos and sin for each position; `scale` > 1 interpolates positions (divides them by scale)."""
-    inv_freq = 1.0 / (base ** (jnp.arange(0, head_size, 2, dtype=jnp.float32) / head_size))
+def rope_tables(positions_BT: jax.Array, head_size: int, scale: float, base: float, truncated: bool = False) -> Rope:
+    """cos and sin for each position; `scale` > 1 interpolates positions (divides them by scale).
+    `truncated` (model.rope_truncated): head_size / 4 frequencies from 1 to 1 / base, both ends
+    included, then head_size / 4 zero ones, whose pairs stay unrotated."""
+    if truncated:
+        quarter = head_size // 4
+        inv_freq = jnp.concatenate([(1.0 / base) ** jnp.linspace(0.0, 1.0, quarter, dtype=jnp.float32),
+                                    jnp.zeros(head_size // 2 - quarter, jnp.float32)])
+    else:
+        inv_freq = 1.0 / (base ** (jnp.arange(0, head_size, 2, dtype=jnp.float32) / head_size))
     angles = (positions_BT.astype(jnp.float32) / scale)[..., None] * inv_freq
     return jnp.cos(angles), jnp.sin(angles)
 
@@ -155,12 +165,14 @@ class CausalSelfAttention(nn.Module):
 
     @nn.compact
     def __call__(
-        self, x_BTC: jax.Array, rope: Rope | None, kv: KV | None = None, index: jax.Array | None = None
+        self, x_BTC: jax.Array, rope: Rope | None, kv: KV | None = None, index: jax.Array | None = None,
+        values: ValueEmbeds | None = None,
     ) -> tuple[jax.Array, KV | None]:
         """Cached decoding passes `index` [B]: the T new keys and values are then returned for the
         caller to write (`write_kv`), so no layer copies the cache. With `kv` too (this layer's
         cache, read only) the queries also read each sequence's first `index` cached positions;
-        without it (a prefill into an empty cache) they read only the new tokens."""
+        without it (a prefill into an empty cache) they read only the new tokens. `values`: the
+        value embeddings (model.value_embeds), mixed into the values before they are cached."""
         cfg = self.cfg
         B, T, _ = x_BTC.shape
         H, K, D = cfg.n_heads, cfg.kv_heads, cfg.head_size
@@ -168,10 +180,17 @@ class CausalSelfAttention(nn.Module):
         q_BTHD = qkv[..., : H * D].reshape(B, T, H, D)
         k_BTKD = qkv[..., H * D : (H + K) * D].reshape(B, T, K, D)
         v_BTKD = qkv[..., (H + K) * D :].reshape(B, T, K, D)
+        if cfg.value_embeds:
+            mix = self.param("value_mix", nn.initializers.constant(0.5), (2,), jnp.float32)
+            lookups_NBTX, table, table_on = values
+            ve_BTKD = jax.lax.dynamic_index_in_dim(lookups_NBTX, table, keepdims=False).reshape(B, T, K, D)
+            v_BTKD = (mix[0] * v_BTKD + (mix[1] * table_on) * ve_BTKD).astype(v_BTKD.dtype)
         if cfg.qk_norm:
             q_BTHD, k_BTKD = rms_normalize(q_BTHD), rms_normalize(k_BTKD)
         if rope is not None:
             q_BTHD, k_BTKD = apply_rope(q_BTHD, rope), apply_rope(k_BTKD, rope)
+        if cfg.attention_scale:  # every kernel divides by sqrt(D): the queries carry the rest
+            q_BTHD = q_BTHD * jnp.asarray(cfg.attention_scale * D**0.5, q_BTHD.dtype)
 
         if kv is None:
             out_BTHD = self.kernels.attention(q_BTHD, k_BTKD, v_BTKD, train=self.train, remat=cfg.remat != "none")
@@ -250,21 +269,27 @@ class TransformerBlock(nn.Module):
 
     @nn.compact
     def __call__(
-        self, x_BTC: jax.Array, rope: Rope | None, kv: KV | None = None, index: jax.Array | None = None
+        self, x_BTC: jax.Array, rope: Rope | None, kv: KV | None = None, index: jax.Array | None = None,
+        x0_BTC: jax.Array | None = None, values: ValueEmbeds | None = None,
     ) -> tuple[jax.Array, KV | None]:
+        """`x0_BTC`: the first block's input, mixed in under model.x0_mix; `values`: the value
+        embeddings (model.value_embeds)."""
         cfg, kernels = self.cfg, self.kernels
         B, T, _ = x_BTC.shape
         chex.assert_shape(x_BTC, (B, T, cfg.d_model))
+        if cfg.x0_mix:
+            mix = self.param("x0_mix", lambda _, shape, dtype: jnp.array([1.0, 0.0], dtype), (2,), jnp.float32)
+            x_BTC = (mix[0] * x_BTC + mix[1] * x0_BTC).astype(x_BTC.dtype)
         attention = CausalSelfAttention(cfg, kernels, self.deterministic, self.train, name="attention")
         feed_forward = FeedForward(cfg, kernels, self.deterministic, name="feed_forward")
         attention_norm = make_norm(cfg, kernels, "attention_norm")
         feed_forward_norm = make_norm(cfg, kernels, "feed_forward_norm")
         if cfg.residual == "pre":
-            attended, kv = attention(attention_norm(x_BTC), rope, kv, index)
+            attended, kv = attention(attention_norm(x_BTC), rope, kv, index, values)
             y_BTC = x_BTC + attended
             y_BTC = y_BTC + feed_forward(feed_forward_norm(y_BTC))
         else:
-            attended, kv = attention(x_BTC, rope, kv, index)
+            attended, kv = attention(x_BTC, rope, kv, index, values)
             y_BTC = attention_norm(x_BTC + attended)
             y_BTC = feed_forward_norm(y_BTC + feed_forward(y_BTC))
         y_BTC = y_BTC.astype(x_BTC.dtype)

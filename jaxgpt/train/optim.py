@@ -87,11 +87,11 @@ def decay_mask(params: Any) -> Any:
 
 
 def lr_group(path: tuple[Any, ...]) -> str:
-    """A leaf's learning-rate group: "embed" (the token and position embeddings, so a tied head
-    too), "head" (an untied head), "scalar" (norm gains, biases: every leaf not a `kernel`) or
-    "matrix" (the rest, at `lr` or on Muon)."""
+    """A leaf's learning-rate group: "embed" (the token, position and value embeddings, so a tied
+    head too), "head" (an untied head), "scalar" (norm gains, biases, the mixing and skip weights:
+    every leaf not a `kernel`) or "matrix" (the rest, at `lr` or on Muon)."""
     where = jax.tree_util.keystr(path)
-    if "token_embedding" in where or "position_embedding" in where:
+    if "token_embedding" in where or "position_embedding" in where or "value_embeds" in where:
         return "embed"
     if "lm_head" in where:
         return "head"

@@ -1,0 +1,91 @@
+"""Paths around the blocks: U-net skips (model.unet_skips) and value embeddings
+(model.value_embeds), laid out per layer so that a stack of unequal layers stays one scan.
+
+Each layer reads its share of a small per-layer table (`layer_table`, scanned beside the blocks'
+parameters): which skip it takes and with what weight, where it leaves its output for a later
+block, which value table feeds it. A scanned stack carries the skips as one buffer
+[n_layers // 2 + 1, B, T, C] beside the residual stream: block i < n_layers // 2 writes slot i,
+the others write the last slot, which nobody reads; block j >= n_layers - n_layers // 2 reads
+slot n_layers - 1 - j. The skip's add and the buffer's read and write run outside the block, so
+a rematerialised block saves its own input only, not the buffer.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxgpt.config import ModelConfig
+
+
+class Shared(NamedTuple):
+    """What every block reads besides the residual stream: the first block's input (model.x0_mix)
+    and every value table's lookup of the tokens [N, B, T, K*D] (model.value_embeds)."""
+
+    x0_BTC: jax.Array | None = None
+    value_lookups: jax.Array | None = None
+
+
+def skip_plan(n_layers: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per layer: whether it takes a skip, the buffer slot it reads, the slot it writes."""
+    half, layers = n_layers // 2, np.arange(n_layers)
+    takes = layers >= n_layers - half
+    reads = np.clip(n_layers - 1 - layers, 0, max(half - 1, 0))
+    writes = np.where(layers < half, layers, half)
+    return takes, reads, writes
+
+
+def value_table_plan(n_layers: int, n_tables: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per layer: the value table that feeds it (tables 0..N-1 for the first N layers, 0..N-1
+    again for the last N), and 1.0 where one does, 0.0 where none does."""
+    tables, feeds = np.zeros(n_layers, np.int32), np.zeros(n_layers, np.float32)
+    if n_tables:
+        tables[:n_tables] = tables[-n_tables:] = np.arange(n_tables)
+        feeds[:n_tables] = feeds[-n_tables:] = 1.0
+    return tables, feeds
+
+
+def layer_table(cfg: ModelConfig, skip_weights: jax.Array | None) -> dict[str, jax.Array]:
+    """Each layer's row of the shortcut plan, every entry [n_layers] (empty with neither switch).
+    `skip_weights` [n_layers // 2]: the learned weights of the skips, in the order of the blocks
+    that take them."""
+    table: dict[str, jax.Array] = {}
+    if cfg.unet_skips:
+        takes, reads, writes = skip_plan(cfg.n_layers)
+        weights = jnp.zeros(cfg.n_layers, jnp.float32).at[np.flatnonzero(takes)].set(skip_weights)
+        table.update(skip_weight=weights, skip_from=jnp.asarray(reads), skip_to=jnp.asarray(writes))
+    if cfg.value_embeds:
+        tables, feeds = value_table_plan(cfg.n_layers, cfg.value_embeds)
+        table.update(value_table=jnp.asarray(tables), value_on=jnp.asarray(feeds))
+    return table
+
+
+def empty_skips(cfg: ModelConfig, x_BTC: jax.Array) -> jax.Array:
+    return jnp.zeros((cfg.n_layers // 2 + 1, *x_BTC.shape), x_BTC.dtype)
+
+
+def layer_step(cfg: ModelConfig) -> Callable[..., Any]:
+    """One layer of the stack as a function of (block, carry, rope, kv, index, shared, row): the
+    carry is the residual stream, or (stream, skip buffer) under model.unet_skips; `row` is this
+    layer's `layer_table` entries. A scan's body and the unscanned loop alike."""
+
+    def step(block, carry, rope, kv, index, shared: Shared, row: dict[str, jax.Array]):
+        if cfg.unet_skips:
+            x_BTC, skips_SBTC = carry
+            taken_BTC = jax.lax.dynamic_index_in_dim(skips_SBTC, row["skip_from"], keepdims=False)
+            x_BTC = (x_BTC + row["skip_weight"] * taken_BTC).astype(x_BTC.dtype)
+        else:
+            x_BTC = carry
+        values = None
+        if cfg.value_embeds:
+            values = (shared.value_lookups, row["value_table"], row["value_on"])
+        x_BTC, kv = block(x_BTC, rope, kv, index, shared.x0_BTC, values)
+        if cfg.unet_skips:
+            skips_SBTC = jax.lax.dynamic_update_index_in_dim(skips_SBTC, x_BTC, row["skip_to"], 0)
+            return (x_BTC, skips_SBTC), kv
+        return x_BTC, kv
+
+    return step

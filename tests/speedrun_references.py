@@ -1,0 +1,168 @@
+"""PyTorch float32 rebuilds of the two reference decoders the speedrun switches come from, written
+from what their code computes, for the parity tests (tests/test_speedrun_parity.py).
+
+`ModdedGPT`: modded-nanogpt's model of January 2025 (KellerJordan/modded-nanogpt, the code that
+opens records/track_1_short/2025-01-04_SoftCap/31d6c427-f1f7-4d8a-91be-a67b5dcd13fd.txt), at any
+even depth: embedding RMS-normed into x0; per block x = l0 * x + l1 * x0, then attention (values
+l0 * v + l1 * ve where a value table feeds the block, l0 * v elsewhere; QK RMS-norm, then the
+half-truncated rotary with 1 / 1024 as its lowest frequency) and a ReLU² MLP, both on RMS-normed
+inputs without gains; U-net: the first half's outputs are pushed, and each block of the second
+half first adds the last one popped times its skip weight; value tables 0..N-1 feed the first
+N blocks and again the last N; untied head, logits 15 * tanh(z / 15). Its flex attention's
+document and sliding-window masks are plain causal on inputs without the end-of-text token and
+shorter than its window, the inputs these tests use; block 7's missing attention only exists at
+12 layers, deeper than these tests go.
+
+`NanochatGPT`: nanochat's `GPT` (karpathy/nanochat, nanochat/gpt.py at commit 92d63d4e): the
+embedding RMS-normed, then its smear (each position adds the previous one's embedding times
+smear_lambda * sigmoid(gate)), then per block x = resid_lambda * x + x0_lambda * x0; attention
+with gated value embeddings on alternating layers (the last always), rotary by -theta with base
+100,000, then QK RMS-norm and both times 1.2, causal within each layer's window (pattern of
+S = a quarter of the context rounded up to 128, L = all of it, the last layer L); a ReLU² MLP;
+after the stack it subtracts backout_lambda times the middle block's output, RMS-norms, and caps
+untied logits at 15.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def rms_norm(x: torch.Tensor) -> torch.Tensor:
+    return F.rms_norm(x, (x.size(-1),))
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Both references' rotary: halves (x1, x2) to (x1 cos + x2 sin, -x1 sin + x2 cos)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos + x2 * sin, -x1 * sin + x2 * cos], dim=-1)
+
+
+def causal_attention(q, k, v, window: int | None = None) -> torch.Tensor:
+    """q [B, T, H, D], k and v [B, T, K, D]; each query reads the keys at most `window` - 1 back."""
+    T, group = q.size(1), q.size(2) // k.size(2)
+    k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+    i = torch.arange(T)
+    allowed = (i[:, None] >= i[None, :])
+    if window is not None:
+        allowed &= (i[:, None] - i[None, :]) < window
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=allowed)
+    return out.transpose(1, 2)
+
+
+class ModdedGPT(nn.Module):
+    def __init__(self, vocab_size: int, n_layers: int, n_heads: int, dim: int, n_value_tables: int):
+        super().__init__()
+        assert n_layers % 2 == 0 and 2 * n_value_tables <= n_layers
+        self.n_heads, self.n_layers, self.n_value_tables = n_heads, n_layers, n_value_tables
+        self.embed = nn.Embedding(vocab_size, dim)
+        self.value_embeds = nn.ModuleList(nn.Embedding(vocab_size, dim) for _ in range(n_value_tables))
+        self.c_q, self.c_k, self.c_v, self.c_proj = (
+            nn.ModuleList(nn.Linear(dim, dim, bias=False) for _ in range(n_layers)) for _ in range(4))
+        self.c_fc = nn.ModuleList(nn.Linear(dim, 4 * dim, bias=False) for _ in range(n_layers))
+        self.mlp_proj = nn.ModuleList(nn.Linear(4 * dim, dim, bias=False) for _ in range(n_layers))
+        self.attn_lambdas = nn.Parameter(torch.tensor([[0.5, 0.5]] * n_layers))
+        self.block_lambdas = nn.Parameter(torch.tensor([[1.0, 0.0]] * n_layers))
+        self.skip_weights = nn.Parameter(torch.ones(n_layers - n_layers // 2))
+        self.lm_head = nn.Linear(dim, vocab_size, bias=False)
+
+    def rotary(self, T: int, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        freq = (1 / 1024) ** torch.linspace(0, 1, steps=head_size // 4, dtype=torch.float32)
+        freq = torch.cat([freq, freq.new_zeros(head_size // 4)])
+        theta = torch.outer(torch.arange(T, dtype=torch.float32), freq)
+        return theta.cos()[None, :, None, :], theta.sin()[None, :, None, :]
+
+    def attention(self, i: int, x: torch.Tensor, ve: torch.Tensor | None, rotary) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = (proj[i](x).view(B, T, self.n_heads, -1) for proj in (self.c_q, self.c_k, self.c_v))
+        lambdas = self.attn_lambdas[i]
+        v = lambdas[0] * v + lambdas[1] * ve.view_as(v) if ve is not None else lambdas[0] * v
+        q, k = rms_norm(q), rms_norm(k)
+        q, k = rotate(q, *rotary), rotate(k, *rotary)
+        return self.c_proj[i](causal_attention(q, k, v).reshape(B, T, C))
+
+    def block(self, i: int, x, ve, x0, rotary):
+        x = self.block_lambdas[i][0] * x + self.block_lambdas[i][1] * x0
+        x = x + self.attention(i, rms_norm(x), ve, rotary)
+        return x + self.mlp_proj[i](F.relu(self.c_fc[i](rms_norm(x))).square())
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        n, half = self.n_layers, self.n_layers // 2
+        rotary = self.rotary(tokens.size(1), self.c_q[0].in_features // self.n_heads)
+        x = x0 = rms_norm(self.embed(tokens))
+        tables = [table(tokens) for table in self.value_embeds]
+        ve = tables + [None] * (n - 2 * len(tables)) + tables
+        skips = []
+        for i in range(half):
+            x = self.block(i, x, ve[i], x0, rotary)
+            skips.append(x)
+        for i in range(n - half):
+            x = x + self.skip_weights[i] * skips.pop()
+            x = self.block(half + i, x, ve[half + i], x0, rotary)
+        logits = self.lm_head(rms_norm(x))
+        return 15 * torch.tanh(logits / 15)
+
+
+class NanochatGPT(nn.Module):
+    def __init__(self, vocab_size: int, sequence_len: int, n_layers: int, n_heads: int, n_kv_heads: int, dim: int,
+                 window_pattern: str = "SSSL"):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.n_layers = n_heads, n_kv_heads, n_layers
+        head_size = dim // n_heads
+        self.wte = nn.Embedding(vocab_size, dim)
+        self.c_q = nn.ModuleList(nn.Linear(dim, n_heads * head_size, bias=False) for _ in range(n_layers))
+        self.c_k, self.c_v = (nn.ModuleList(nn.Linear(dim, n_kv_heads * head_size, bias=False)
+                                            for _ in range(n_layers)) for _ in range(2))
+        self.c_proj = nn.ModuleList(nn.Linear(dim, dim, bias=False) for _ in range(n_layers))
+        self.c_fc = nn.ModuleList(nn.Linear(dim, 4 * dim, bias=False) for _ in range(n_layers))
+        self.mlp_proj = nn.ModuleList(nn.Linear(4 * dim, dim, bias=False) for _ in range(n_layers))
+        self.has_value = [i % 2 == (n_layers - 1) % 2 for i in range(n_layers)]
+        self.value_embeds = nn.ModuleDict({str(i): nn.Embedding(vocab_size, n_kv_heads * head_size)
+                                           for i in range(n_layers) if self.has_value[i]})
+        self.ve_gate = nn.ModuleDict({str(i): nn.Linear(12, n_kv_heads, bias=False)
+                                      for i in range(n_layers) if self.has_value[i]})
+        self.lm_head = nn.Linear(dim, vocab_size, bias=False)
+        self.resid_lambdas = nn.Parameter(torch.ones(n_layers))
+        self.x0_lambdas = nn.Parameter(torch.zeros(n_layers))
+        self.smear_gate = nn.Linear(24, 1, bias=False)
+        self.smear_lambda = nn.Parameter(torch.zeros(1))
+        self.backout_lambda = nn.Parameter(0.2 * torch.ones(1))
+        short = -(-sequence_len // 4 // 128) * 128
+        self.windows = [sequence_len if window_pattern[i % len(window_pattern)] == "L" else short
+                        for i in range(n_layers)]
+        self.windows[-1] = sequence_len
+
+    def attention(self, i: int, x, ve, rotary):
+        B, T, C = x.shape
+        q = self.c_q[i](x).view(B, T, self.n_heads, -1)
+        k, v = (proj[i](x).view(B, T, self.n_kv_heads, -1) for proj in (self.c_k, self.c_v))
+        if ve is not None:
+            gate = 3 * torch.sigmoid(self.ve_gate[str(i)](x[..., :12]))
+            v = v + gate.unsqueeze(-1) * ve.view_as(v)
+        q, k = rotate(q, *rotary), rotate(k, *rotary)
+        q, k = rms_norm(q) * 1.2, rms_norm(k) * 1.2
+        # FA3's window (left, 0) reads the query's own key and `left` before it.
+        return self.c_proj[i](causal_attention(q, k, v, window=self.windows[i] + 1).reshape(B, T, C))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        T = tokens.size(1)
+        head_size = self.c_q[0].out_features // self.n_heads
+        inv_freq = 1.0 / (100000 ** (torch.arange(0, head_size, 2, dtype=torch.float32) / head_size))
+        theta = torch.outer(torch.arange(T, dtype=torch.float32), inv_freq)
+        rotary = theta.cos()[None, :, None, :], theta.sin()[None, :, None, :]
+        x = rms_norm(self.wte(tokens))
+        gate = self.smear_lambda * torch.sigmoid(self.smear_gate(x[:, 1:, :24]))
+        x = torch.cat([x[:, :1], x[:, 1:] + gate * x[:, :-1]], dim=1)
+        x0, backout = x, None
+        for i in range(self.n_layers):
+            x = self.resid_lambdas[i] * x + self.x0_lambdas[i] * x0
+            ve = self.value_embeds[str(i)](tokens) if self.has_value[i] else None
+            x = x + self.attention(i, rms_norm(x), ve, rotary)
+            x = x + self.mlp_proj[i](F.relu(self.c_fc[i](rms_norm(x))).square())
+            if i == self.n_layers // 2:
+                backout = x
+        x = x - self.backout_lambda * backout
+        logits = self.lm_head(rms_norm(x))
+        return 15 * torch.tanh(logits / 15)
