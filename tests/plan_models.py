@@ -1,5 +1,7 @@
 """The small models the plan tests compile for accelerator targets (tests/test_plan*.py)."""
 
+from conftest import SPEEDRUN
+
 from jaxgpt.config import RunConfig, load_config
 
 TINY = ["model.vocab_size=256", "model.n_layers=1", "train.sample_tokens=4"]
@@ -24,3 +26,9 @@ def attention(kind: str, T: int, D: int, dtype: str, *more: str) -> RunConfig:
 # is found in a few fast compiles.
 LAYERS = ["model.d_model=128", "model.n_heads=2", "model.n_layers=4", "model.context_length=128",
           "model.dtype=bfloat16", *TINY[:1], "train.sample_tokens=4"]
+
+
+# Every switch of the speedrun block and the group learning rates, on AdamW: Muon's Newton-Schulz
+# steps are plain XLA matmuls whatever the kernels (on the CPU: test_step, test_parallel), and
+# would double the train step's compile for a target.
+SPEEDRUN_BLOCK = attention("gqa", 256, 64, "bfloat16", *SPEEDRUN, "train.optimizer=adamw")

@@ -14,7 +14,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import xla_flags
+from conftest import SPEEDRUN, xla_flags
 
 import jaxgpt.train.loop as train_module
 from jaxgpt.cli.main import main
@@ -113,6 +113,23 @@ def test_stop_then_resume_is_bitwise_identical(reference, corpus, tmp_path, monk
     assert_bitwise_equal(full_state(run), ref_state)
     assert comparable(read_metrics(run / "metrics.jsonl"), 10) == comparable(ref_records, 10)
     assert comparable(read_metrics(run / "metrics.jsonl"), 0) == comparable(ref_records, 0)
+
+
+def test_the_speedrun_block_stops_and_resumes_bitwise(corpus, tmp_path, monkeypatch):
+    """Every switch of the speedrun block, Muon and the group learning rates: the skip weights,
+    value tables and mixes, Muon's momentum and the MTP head are saved and restored exactly."""
+    cfg = config(corpus, *SPEEDRUN, "train.steps=8")
+    train_module.train(cfg, tmp_path / "reference", progress=False)
+    run = tmp_path / "run"
+    with monkeypatch.context() as patch:
+        stop_at(6, patch)  # between checkpoints (4, 8): the stop writes one at 6
+        assert train_module.train(cfg, run, progress=False)["step"] == 6
+    train_module.train(cfg, run, resume=True, progress=False)
+    state = full_state(run)
+    assert {"skip_weights", "value_embeds", "mtp_0"} <= set(state.params) and int(state.step) == 8
+    assert_bitwise_equal(state, full_state(tmp_path / "reference"))
+    assert comparable(read_metrics(run / "metrics.jsonl"), 0) == comparable(
+        read_metrics(tmp_path / "reference" / "metrics.jsonl"), 0)
 
 
 def damage(checkpoint: Path) -> None:

@@ -9,8 +9,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import SPEEDRUN
 
-from jaxgpt.config import ModelConfig, RunConfig, TrainConfig
+from jaxgpt.config import ModelConfig, RunConfig, TrainConfig, load_config
 from jaxgpt.data import window_length
 from jaxgpt.evaluation import generate as generate_module
 from jaxgpt.evaluation.generate import FINISHED, bucket_length, generate, generate_tokens, sample_logits, slide_length
@@ -22,12 +23,21 @@ from jaxgpt.train.step import compile_steps, init_state
 # its output wanders instead of settling on one repeated token.
 LEARNED = ModelConfig(vocab_size=64, context_length=32, d_model=32, n_layers=2, n_heads=4, init_std=0.3)
 ROPE_GQA = dataclasses.replace(LEARNED, position="rope", kv_heads=2, norm="rmsnorm", feed_forward="swiglu")
+# Every switch of the speedrun block, one MTP head among them.
+SPEEDRUN_BLOCK = load_config(None, ["model.vocab_size=64", "model.context_length=32", "model.d_model=32",
+                                    "model.n_heads=4", "model.init_std=0.3", *SPEEDRUN]).model
 GREEDY = dict(temperature=0.0)
 
 
 @functools.cache
 def params_for(cfg: ModelConfig):
-    return init_params(cfg, jax.random.key(0))
+    params = init_params(cfg, jax.random.key(0))
+    if cfg.zero_init:  # a model that outputs zeros, its x0 mixes off: every leaf moved, as training would
+        leaves, tree = jax.tree_util.tree_flatten(params)
+        keys = jax.random.split(jax.random.key(1), len(leaves))
+        params = tree.unflatten([leaf + cfg.init_std * jax.random.normal(key, leaf.shape)
+                                 for leaf, key in zip(leaves, keys)])
+    return params
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -62,7 +72,8 @@ def prompt(length: int, seed: int) -> list[int]:
     return np.random.default_rng(seed).integers(0, LEARNED.vocab_size, length).tolist()
 
 
-@pytest.mark.parametrize("cfg, prompt_length", [(LEARNED, 5), (ROPE_GQA, 32)], ids=["learned", "rope_gqa_full_prompt"])
+@pytest.mark.parametrize("cfg, prompt_length", [(LEARNED, 5), (ROPE_GQA, 32), (SPEEDRUN_BLOCK, 7)],
+                         ids=["learned", "rope_gqa_full_prompt", "speedrun_block"])
 def test_greedy_equals_naive_loop_across_slides(cfg, prompt_length):
     p, n = prompt(prompt_length, 1), 60
     expected, slides = naive_greedy(cfg, p, n)
@@ -117,7 +128,8 @@ MTP = dataclasses.replace(LEARNED, mtp_depth=2)
 MTP_ROPE = dataclasses.replace(ROPE_GQA, mtp_depth=3)
 
 
-@pytest.mark.parametrize("cfg", [MTP, MTP_ROPE], ids=["learned_depth2", "rope_gqa_depth3"])
+@pytest.mark.parametrize("cfg", [MTP, MTP_ROPE, SPEEDRUN_BLOCK],
+                         ids=["learned_depth2", "rope_gqa_depth3", "speedrun_block"])
 def test_speculative_equals_plain_greedy_across_slides_and_stops(cfg):
     # Rows of different lengths (one longer than the context) slide at different steps; the
     # random model's drafts are mostly wrong, so every acceptance count is exercised.

@@ -17,7 +17,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import FAST_COMPILE
+from conftest import FAST_COMPILE, SPEEDRUN
 from jaxgpt_lines import foreign_lines
 from test_train import write_corpus
 
@@ -32,7 +32,10 @@ TINY = ["model.context_length=16", "model.d_model=32", "model.n_heads=4", "model
         "train.eval_batches=1", "train.log_every=1", f"train.checkpoint_every={EVERY}",
         "train.keep_checkpoints=10", "train.sample_tokens=0",
         "train.adam_eps=1e-4"]  # Adam would turn a layout's rounding of sub-eps gradients into 1e-5 steps
-LAYOUTS = {"data": [], "fsdp": ["train.fsdp=8"]}
+# The fsdp layout trains the speedrun block (every switch, Muon, group learning rates): its value
+# table, skip weights and mixes split or replicated over the processes, saved by both and resumed
+# by another count, sampled from (its KV cache) and scored. The data layout keeps the plain model.
+LAYOUTS = {"data": [], "fsdp": ["train.fsdp=8", *SPEEDRUN]}
 RUNS = [(layout, n) for layout in LAYOUTS for n in (1, 2)]  # layout, processes (of 8 // n devices)
 # layout, processes before and after: each way across a change of process count (a resume in the
 # same layout is bitwise, in one process: test_checkpoint).

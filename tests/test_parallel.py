@@ -8,6 +8,7 @@ import json
 import jax
 import numpy as np
 import pytest
+from conftest import SPEEDRUN
 
 from jaxgpt.config import RunConfig, load_config
 from jaxgpt.data import get_batch
@@ -27,7 +28,18 @@ CONFIGS = {
     "day1": TINY,
     "modern": [*TINY, "model.position=rope", "model.norm=rmsnorm", "model.feed_forward=swiglu",
                "model.kv_heads=2", "model.tie_embeddings=false", "train.grad_accum=2"],
+    "speedrun": [*TINY, *SPEEDRUN],
 }
+# Steps each config's modes take before they are compared. The speedrun block's zero-initialised
+# projections and head pass no gradient back on the first step (only the head moves), and on the
+# second its blocks still add nothing to the stream, which the final RMS norm makes the loss blind
+# to the scale of: the x0 mixes' gradients are rounding alone. From the third every leaf learns.
+STEPS = {"speedrun": 3}
+# Muon's Newton-Schulz iteration lifts the update's small singular values to about 1, and with them
+# the rounding of their directions: its matrices, moved by muon_lr = 0.02 a step, differ between
+# the modes by up to 1.9e-7 (1e-5 of a step) after three steps; on AdamW the same model's stay
+# within the other configs' 1e-7 (and 1e-5 relative).
+PARAMS_ATOL = {"speedrun": 5e-7}
 # a random 50-token phrase repeated: learnable within a few steps, so the loss curves move
 TOKENS = np.tile(np.random.default_rng(0).integers(0, 64, size=50), 80).astype(np.uint16)
 
@@ -99,33 +111,38 @@ def rel(a: float, b: float) -> float:
 def test_one_step_matches_one_device_in_every_mode(name):
     assert jax.device_count() == 8
     cfg, modes = runners(name)
-    start, batch = host_state(cfg), batch_at(cfg, 0)
-    results = {}
+    start = host_state(cfg)
+    steps, results = STEPS.get(name, 1), {}
     for mode, (place, step, to_host) in modes.items():
-        state, metrics = step(place(start), batch)
+        state = place(start)
+        for i in range(steps):
+            state, metrics = step(state, batch_at(cfg, i))
         results[mode] = (to_host(state), {k: float(np.asarray(v).reshape(-1)[0]) for k, v in metrics.items()})
     ref_state, ref_metrics = results.pop("single")
     for mode, (state, metrics) in results.items():
         print(f"{name} {mode}: loss rel {rel(metrics['loss'], ref_metrics['loss']):.1e}, "
               f"grad_norm rel {rel(metrics['grad_norm'], ref_metrics['grad_norm']):.1e}, "
               f"params abs {max_abs_diff(state.params, ref_state.params):.1e}, "
-              f"adam mu abs {max_abs_diff(state.opt_state[1][0].mu, ref_state.opt_state[1][0].mu):.1e} "
-              f"(max |mu| {max(np.abs(x).max() for x in jax.tree_util.tree_leaves(ref_state.opt_state[1][0].mu)):.1e})")
+              f"optimiser state abs {max_abs_diff(state.opt_state, ref_state.opt_state):.1e}")
         np.testing.assert_allclose(metrics["loss"], ref_metrics["loss"], rtol=1e-5)
         np.testing.assert_allclose(metrics["grad_norm"], ref_metrics["grad_norm"], rtol=1e-5)
         assert metrics["lr"] == ref_metrics["lr"]
-        assert int(state.step) == 1
-        jax.tree_util.tree_map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7),
+        assert int(state.step) == steps
+        atol = PARAMS_ATOL.get(name, 1e-7)
+        jax.tree_util.tree_map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=atol),
                                state.params, ref_state.params)
         # Adam's moments are the gradient itself (mu = 0.1 g, nu = 0.01 g^2). An embedding row's
         # gradient is a sum of cancelling terms, so its rounding is relative to the leaf's scale.
         jax.tree_util.tree_map(
             lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5 * np.abs(y).max()),
             state.opt_state, ref_state.opt_state)
-    # the step moved the params, so agreeing is not trivial
+    # the step moved the params, every leaf of them, so agreeing is not trivial
     moved = np.abs(ref_state.params["token_embedding"]["embedding"]
                    - start.params["token_embedding"]["embedding"]).max()
     assert moved > 1e-4
+    unmoved = [jax.tree_util.keystr(path) for path, gap in jax.tree_util.tree_leaves_with_path(
+        jax.tree_util.tree_map(lambda x, y: np.abs(x - y).max(), ref_state.params, start.params)) if gap == 0]
+    assert not unmoved, unmoved
 
 
 def test_twenty_steps_loss_curves_agree():

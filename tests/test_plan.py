@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 from jaxgpt_lines import foreign_lines
-from plan_models import GIB, LAYERS, TINY, attention, tiny
+from plan_models import GIB, LAYERS, SPEEDRUN_BLOCK, TINY, attention, tiny
 
 from jaxgpt import plan as planning
 from jaxgpt.cli.main import main
@@ -27,15 +27,15 @@ REMAT = ["none", "dots", "full"]
 @pytest.fixture(scope="module")
 def h100():
     """For one H100: the attention in bfloat16 (every program), then in float32 and the three remat
-    policies on a 4-layer model (the train step)."""
+    policies on a 4-layer model (the train step); last, every program of the speedrun block."""
     cfgs = [attention("mha", 256, 64, "float32")]
     cfgs += [load_config(None, [*LAYERS, "train.batch_size=8", f"model.remat={policy}"]) for policy in REMAT]
-    return planning.plans([attention("mha", 256, 64, "bfloat16")], "h100-1") + planning.plans(
-        cfgs, "h100-1", programs=("train",))
+    every = planning.plans([attention("mha", 256, 64, "bfloat16"), SPEEDRUN_BLOCK], "h100-1")
+    return [every[0], *planning.plans(cfgs, "h100-1", programs=("train",)), every[1]]
 
 
 def test_remat_policies_order_the_memory_none_dots_full(h100):
-    none, dots, full = (r["compiled"] for r in h100[2:])
+    none, dots, full = (r["compiled"] for r in h100[2:5])
     assert none["temp_bytes"] > dots["temp_bytes"] > full["temp_bytes"] > 0
     # The state (params, Adam's moments) is the same whatever is recomputed.
     assert none["argument_bytes"] == dots["argument_bytes"] == full["argument_bytes"]
@@ -61,6 +61,14 @@ def test_a_plan_compiles_train_eval_and_sampling_and_compares_them_with_the_chip
                                        compiled["decode"]["total_bytes"] + opt)
     assert record["fits"] is (record["peak_bytes"] <= 0.9 * compiled["device_bytes"])
     assert (record["target"], record["devices"], record["processes"]) == ("h100-1", 1, 1)
+
+
+def test_the_speedrun_block_compiles_every_program_with_cudnn_attention(h100):
+    record = h100[-1]
+    assert "failure" not in record, record.get("failure")
+    assert record["kernels"] == "gpu" and record["fits"] is True
+    for program in (record["compiled"], record["compiled"]["eval"], record["compiled"]["decode"]):
+        assert any(call.startswith("__cudnn$fmha") for call in program["custom_calls"]), program["custom_calls"]
 
 
 FIT_MODEL = [*LAYERS, "model.n_layers=64"]  # about 0.07 GiB a row: several hundred rows to an H100

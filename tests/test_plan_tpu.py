@@ -5,7 +5,7 @@ test_plan_tpu_memory.py). The compiles for one target share one compile process 
 import itertools
 
 import pytest
-from plan_models import attention, tiny
+from plan_models import SPEEDRUN_BLOCK, attention, tiny
 
 from jaxgpt import plan as planning
 from jaxgpt.plan import targets
@@ -68,13 +68,28 @@ def test_a_slice_of_many_hosts_says_its_processes_and_the_rows_each_reads():
     assert record["mesh"] == {"data": 4, "fsdp": 4} and record["fits"] is True
 
 
-def test_every_program_dry_run_compiles_builds_the_splash_kernel_in_the_trace_that_asks():
+@pytest.fixture(scope="module")
+def every_program():
+    """One compile process for every program (train, eval, the sampler) on one v5e chip: a plain
+    model, then the speedrun block."""
+    return planning.plans([attention("mha", 256, 64, "bfloat16"), SPEEDRUN_BLOCK], "v5e-1")
+
+
+def test_every_program_dry_run_compiles_builds_the_splash_kernel_in_the_trace_that_asks(every_program):
     # Train, eval and the sampler in one process at a length no probe compiles first: the
     # sampler's window pass takes splash attention after the train step's gradient did.
-    [record] = planning.plans([attention("mha", 256, 64, "bfloat16")], "v5e-1")
+    record = every_program[0]
     assert "failure" not in record, record.get("failure")
     assert {"eval", "decode"} <= set(record["compiled"]) and record["kernels"] == "tpu"
     assert "tpu_custom_call" in record["compiled"]["eval"]["custom_calls"]
+
+
+def test_the_speedrun_block_compiles_every_program_with_splash_attention(every_program):
+    record = every_program[1]
+    assert "failure" not in record, record.get("failure")
+    assert record["kernels"] == "tpu" and record["fits"] is True
+    for program in (record["compiled"], record["compiled"]["eval"], record["compiled"]["decode"]):
+        assert "tpu_custom_call" in program["custom_calls"]
 
 
 def test_the_sampler_on_four_chips_runs_splash_attention_on_every_chip_over_all_its_rows():

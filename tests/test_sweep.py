@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import SPEEDRUN
 
 from jaxgpt.cli.main import main
 from jaxgpt.config import ConfigError, TrainConfig
@@ -128,6 +129,28 @@ def test_optimiser_variant_vmapped_with_baseline_equals_its_single_run(base_file
     table = (out / "results.md").read_text()
     assert "seed spread (max − min)" in table and "| baseline |" in table and "| rms |" in table
     assert (out / "val_loss.png").stat().st_size > 1000
+
+
+def test_speedrun_variants_train_apart_from_the_baseline_and_their_group_peaks_vmap(base_file, tmp_path):
+    """The speedrun block's switches change the parameter tree (skip weights, value tables, mixes,
+    an MTP head, an untied head, three layers): its variants form a group of their own, in which
+    the group learning rates and Muon's are vmapped like lr, each member equal to its single run."""
+    hot = ["train.lr_embed=1e-2", "train.lr_head=4e-3", "train.lr_scalar=1e-3", "train.muon_lr=0.03"]
+    sweep = load_sweep(write_sweep(tmp_path, sweep_text(base_file, 1, ("baseline", []), ("speedrun", SPEEDRUN),
+                                                        ("speedrun-hot", [*SPEEDRUN, *hot]))))
+    assert [[m.variant for m in group] for group in group_members(members(sweep))] == [
+        ["baseline"], ["speedrun", "speedrun-hot"]]
+    traces = Counter()
+    records = run_sweep(sweep, tmp_path / "out", progress=False, traces=traces)
+    assert traces["train"] == 2
+    assert [(r["variant"], r["group_members"]) for r in records] == [
+        ("baseline", 1), ("speedrun", 2), ("speedrun-hot", 2)]
+    assert records[0]["parameters"] < records[1]["parameters"] == records[2]["parameters"]
+    summary, evals, _ = single_run(sweep.variants[2].config, tmp_path / "hot")
+    assert records[2]["val_loss"] == pytest.approx(summary["val_loss"], rel=1e-5)
+    assert records[2]["train_loss"] == pytest.approx(summary["train_loss"], rel=1e-5)
+    np.testing.assert_allclose([e["val_loss"] for e in records[2]["evals"]], [e["val_loss"] for e in evals], rtol=1e-5)
+    assert abs(records[2]["val_loss"] - records[1]["val_loss"]) > 1e-3  # its own learning rates took effect
 
 
 def test_a_rerun_skips_finished_members_and_more_seeds_run_only_the_new_ones(base_file, tmp_path):
