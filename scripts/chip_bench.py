@@ -2,7 +2,7 @@
 per variant, greedy decoding timed, the records written as they come, and a markdown table.
 
 A variant is a config (experiments/gpt2_124m.toml and overrides) and a kernel set: the chosen
-one, or the portable one, with the fused head-loss off, the layer loop unrolled or XLA options
+one, or the portable one, with the fused head-loss off, the layer loop unrolled or kept, or XLA options
 added. Each record is one JSON object; `Records` writes it to OUT/records.jsonl and stdout.
 """
 
@@ -45,7 +45,8 @@ class Variant:
     overrides: tuple[str, ...] = ()
     plain_head: bool = False  # the head's logits, then the cross-entropy (the fused head-loss off)
     portable: bool = False  # the portable kernels: XLA's attention, the plain head
-    unroll: bool = False  # the scanned layer stack unrolled (`Kernels.scan_unroll`), params as they are
+    scan_unroll: int | None = None  # layers per iteration of the scanned stack's loop (`Kernels.scan_unroll`); None: the set's
+    recompute: bool | None = None  # `Kernels.recompute_elementwise`; None: the set's
     options: tuple[tuple[str, Any], ...] = ()  # XLA options added to the kernels' own
 
 
@@ -65,8 +66,10 @@ def variant_kernels(chosen: Kernels, cfg: RunConfig, variant: Variant) -> Kernel
     kernels = PORTABLE if variant.portable else chosen
     if variant.plain_head:
         kernels = dataclasses.replace(kernels, head_loss=None)
-    if variant.unroll:
-        kernels = dataclasses.replace(kernels, scan_unroll=cfg.model.n_layers)
+    if variant.scan_unroll is not None:
+        kernels = dataclasses.replace(kernels, scan_unroll=variant.scan_unroll)
+    if variant.recompute is not None:
+        kernels = dataclasses.replace(kernels, recompute_elementwise=variant.recompute)
     return dataclasses.replace(kernels, compiler_options=kernels.compiler_options + variant.options)
 
 

@@ -163,7 +163,14 @@ def test_an_unrolled_layer_scan_computes_the_same_model_on_the_same_params():
 
     (want, want_grads, want_cached), (got, got_grads, got_cached) = jax.jit(
         lambda: (outputs(PORTABLE), outputs(unrolled)))()
-    assert "while" not in jax.jit(lambda p: forward(p, cfg, tokens, kernels=unrolled)).lower(params).as_text()
+    lowered = lambda train: jax.jit(lambda p: forward(p, cfg, tokens, train=train, kernels=unrolled)).lower(params)
+    assert "while" not in lowered(True).as_text()  # a train step's pass unrolls; decoding keeps its loop
+    assert "while" in lowered(False).as_text()
+    # With no loop between them, XLA would merge a remat's recomputation with the forward pass
+    # unless each is kept apart (`in_a_loop`): the backward of a full remat recomputes behind barriers.
+    remat = dataclasses.replace(cfg, remat="full")
+    grad = jax.jit(jax.grad(lambda p: forward(p, remat, tokens, train=True, kernels=unrolled).std()))
+    assert "optimization_barrier" in grad.lower(params).as_text()
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
     np.testing.assert_allclose(got_cached, want_cached, rtol=0, atol=1e-5)
     for got_leaf, want_leaf in zip(jax.tree_util.tree_leaves(got_grads), jax.tree_util.tree_leaves(want_grads)):

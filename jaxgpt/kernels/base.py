@@ -46,8 +46,10 @@ class Kernels:
     # float32 scalar, `weight` the embedding [V, C] when tied, the head's kernel [C, V] otherwise.
     # None: the logits above, then the cross-entropy (all [B, T, V] logits in memory).
     head_loss: Callable[..., Any] | None = None
-    # Layers per iteration of the scanned block stack's loop (`lax.scan(unroll=...)`); the params
-    # keep their stacked layout whatever it is. The number of layers or more: no loop at all.
+    # Layers per iteration of the scanned block stack's loop in a train step's passes
+    # (`lax.scan(unroll=...)`); the params keep their stacked layout whatever it is. The number of
+    # layers or more: no loop at all. Evaluation and decoding keep one layer an iteration, which
+    # decodes faster (docs/performance.md, GPT-2 124M on an accelerator).
     scan_unroll: int = 1
     # XLA options for the programs that run these kernels (`jax.jit(compiler_options=...)`): the
     # backend's measured defaults, as (name, value) pairs.

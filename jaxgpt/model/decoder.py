@@ -32,6 +32,7 @@ from jaxgpt.kernels import PORTABLE, Kernels
 from jaxgpt.model.layers import (
     FeedForward,
     TransformerBlock,
+    in_a_loop,
     activation_dtype,
     compute_dtype,
     dense_init,
@@ -158,12 +159,12 @@ class Decoder(nn.Module):
     def _blocks(self, x_BTC, rope, kv, index, shared, table):
         cfg = self.cfg
         block_cls = _block_class(cfg, self.kernels)
-        step = layer_step(cfg)
+        step = layer_step(cfg, self.kernels)
         carry = (x_BTC, empty_skips(cfg, x_BTC)) if cfg.unet_skips else x_BTC
         if cfg.scan_layers:
             stack = nn.scan(step, variable_axes={"params": 0}, split_rngs={"params": True, "dropout": True},
                             in_axes=(nn.broadcast, 0, nn.broadcast, nn.broadcast, 0), length=cfg.n_layers,
-                            unroll=min(self.kernels.scan_unroll, cfg.n_layers))
+                            unroll=min(self.kernels.scan_unroll, cfg.n_layers) if self.train else 1)
             carry, kv = stack(block_cls(cfg, self.kernels, self.deterministic, self.train, name="blocks"),
                               carry, rope, kv, index, shared, table)
         else:
@@ -185,10 +186,10 @@ def _block_class(cfg: ModelConfig, kernels: Kernels) -> type[nn.Module]:
     all of it ("full"), all but the matmul outputs ("dots"), or, in a scanned stack under "none",
     what the kernels' policy does not save."""
     if cfg.remat == "full":
-        return nn.remat(TransformerBlock, prevent_cse=not cfg.scan_layers)
+        return nn.remat(TransformerBlock, prevent_cse=not in_a_loop(cfg, kernels))
     if cfg.remat == "dots":
-        return nn.remat(TransformerBlock, prevent_cse=not cfg.scan_layers, policy=kernels.dots_remat_policy)
-    if cfg.scan_layers and kernels.scan_remat_policy is not None:
+        return nn.remat(TransformerBlock, prevent_cse=not in_a_loop(cfg, kernels), policy=kernels.dots_remat_policy)
+    if in_a_loop(cfg, kernels) and kernels.scan_remat_policy is not None:
         return nn.remat(TransformerBlock, prevent_cse=False, policy=kernels.scan_remat_policy)
     return TransformerBlock
 

@@ -8,6 +8,7 @@ dense layers' matmul, the attention and the GELU are the `Kernels` each module i
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import chex
@@ -49,13 +50,21 @@ def dense(cfg: ModelConfig, kernels: Kernels, features: int, name: str, output: 
                     dot_general=kernels.dot_general, name=name)
 
 
+def in_a_loop(cfg: ModelConfig, kernels: Kernels) -> bool:
+    """Whether a train step runs the blocks inside a loop: a scanned stack unrolled less than its
+    depth (`Kernels.scan_unroll`). The loop keeps XLA from merging a recomputation with the
+    forward pass, so `jax.checkpoint` needs no `prevent_cse` there; without one it must have it,
+    or the recomputation is merged away and the backward keeps what it was to recompute."""
+    return cfg.scan_layers and (kernels.scan_unroll == 1 or kernels.scan_unroll < cfg.n_layers)  # lax.scan's rule
+
+
 def recomputed(fn: Any, recompute: bool = True, prevent_cse: bool = True) -> Any:
     """`fn` (elementwise work between matmuls) under `jax.checkpoint` when `recompute`
     (`Kernels.recompute_elementwise`): the backward pass keeps only its inputs and recomputes its
     float32 intermediates, which are several times their size (a LayerNorm's centred and scaled
     copies, the tanh GELU's cube and tanh) and cheap to compute again. `prevent_cse` keeps XLA
     from merging the recomputation away, which a scanned stack's loop does by itself
-    (model.scan_layers)."""
+    (`in_a_loop`)."""
     return jax.checkpoint(fn, prevent_cse=prevent_cse) if recompute else fn
 
 
@@ -117,7 +126,7 @@ class RMSNorm(_Norm):
 def make_norm(cfg: ModelConfig, kernels: Kernels, name: str | None = None) -> nn.Module:
     norm = LayerNorm if cfg.norm == "layernorm" else RMSNorm
     return norm(eps=cfg.norm_eps, dtype=activation_dtype(cfg, kernels), recompute=kernels.recompute_elementwise,
-                prevent_cse=not cfg.scan_layers, name=name)
+                prevent_cse=not in_a_loop(cfg, kernels), name=name)
 
 
 def rope_tables(positions_BT: jax.Array, head_size: int, scale: float, base: float, truncated: bool = False) -> Rope:
@@ -184,13 +193,12 @@ class CausalSelfAttention(nn.Module):
             mix = self.param("value_mix", nn.initializers.constant(0.5), (2,), jnp.float32)
             lookups_NBTX, table, table_on = values
             ve_BTKD = jax.lax.dynamic_index_in_dim(lookups_NBTX, table, keepdims=False).reshape(B, T, K, D)
-            v_BTKD = (mix[0] * v_BTKD + (mix[1] * table_on) * ve_BTKD).astype(v_BTKD.dtype)
-        if cfg.qk_norm:
-            q_BTHD, k_BTKD = rms_normalize(q_BTHD), rms_normalize(k_BTKD)
-        if rope is not None:
-            q_BTHD, k_BTKD = apply_rope(q_BTHD, rope), apply_rope(k_BTKD, rope)
-        if cfg.attention_scale:  # every kernel divides by sqrt(D): the queries carry the rest
-            q_BTHD = q_BTHD * jnp.asarray(cfg.attention_scale * D**0.5, q_BTHD.dtype)
+            v_BTKD = mixed(self.kernels, cfg, v_BTKD, ve_BTKD, mix[0], mix[1] * table_on)
+        # QK-norm is not linear: recomputed, its backward keeps the 16-bit q and k, not its
+        # float32 copies (GPT-2 124M at batch 32 on h100-1: 16.6 GB of temporaries, else 11.7).
+        prepare = recomputed(functools.partial(prepare_qk, cfg), self.kernels.recompute_elementwise and cfg.qk_norm,
+                             not in_a_loop(cfg, self.kernels))
+        q_BTHD, k_BTKD = prepare(q_BTHD, k_BTKD, rope)
 
         if kv is None:
             out_BTHD = self.kernels.attention(q_BTHD, k_BTKD, v_BTKD, train=self.train, remat=cfg.remat != "none")
@@ -199,6 +207,19 @@ class CausalSelfAttention(nn.Module):
         kv = None if index is None else (k_BTKD, v_BTKD)
         out = dense(cfg, self.kernels, cfg.d_model, "out", output=True)(out_BTHD.reshape(B, T, H * D))
         return nn.Dropout(cfg.dropout)(out, deterministic=self.deterministic), kv
+
+
+def prepare_qk(cfg: ModelConfig, q_BTHD: jax.Array, k_BTKD: jax.Array, rope: Rope | None) -> tuple[jax.Array, jax.Array]:
+    """Queries and keys as the attention reads them: QK-norm (model.qk_norm), then RoPE, then the
+    queries scaled by model.attention_scale (every kernel divides by sqrt(D): the queries carry
+    the rest)."""
+    if cfg.qk_norm:
+        q_BTHD, k_BTKD = rms_normalize(q_BTHD), rms_normalize(k_BTKD)
+    if rope is not None:
+        q_BTHD, k_BTKD = apply_rope(q_BTHD, rope), apply_rope(k_BTKD, rope)
+    if cfg.attention_scale:
+        q_BTHD = q_BTHD * jnp.asarray(cfg.attention_scale * q_BTHD.shape[-1] ** 0.5, q_BTHD.dtype)
+    return q_BTHD, k_BTKD
 
 
 def cached_attention(q_BTHD: jax.Array, cache: KV, new: KV, index_B: jax.Array) -> jax.Array:
@@ -235,6 +256,14 @@ def write_kv(cache: KV, new: KV, index_B: jax.Array) -> KV:
     return tuple(jax.vmap(write, in_axes=(1, 1, 0), out_axes=1)(c, n, index_B) for c, n in zip(cache, new))
 
 
+def mixed(kernels: Kernels, cfg: ModelConfig, x_BTC: jax.Array, y_BTC: jax.Array, a: jax.Array, b: jax.Array
+          ) -> jax.Array:
+    """a·x + b·y in x's dtype: the learned sums of the x0 mix, a U-net skip and a value embedding. Recomputed, its
+    backward keeps x and y as they are, not the float32 copies the scalars' products make."""
+    fn = lambda x, y, a, b: (a * x + b * y).astype(x.dtype)
+    return recomputed(fn, kernels.recompute_elementwise, not in_a_loop(cfg, kernels))(x_BTC, y_BTC, a, b)
+
+
 class FeedForward(nn.Module):
     """Widen to hidden_size, GELU (tanh, as GPT-2), SwiGLU or ReLU², project back."""
 
@@ -249,12 +278,12 @@ class FeedForward(nn.Module):
         if cfg.feed_forward == "swiglu":
             gate_BTF = dense(cfg, self.kernels, cfg.hidden_size, "gate")(x_BTC)
             h_BTF = recomputed(lambda gate, up: nn.silu(gate) * up, self.kernels.recompute_elementwise,
-                               not cfg.scan_layers)(gate_BTF, up_BTF)
+                               not in_a_loop(cfg, self.kernels))(gate_BTF, up_BTF)
         elif cfg.feed_forward == "relu2":
             h_BTF = recomputed(lambda up: jnp.square(nn.relu(up)), self.kernels.recompute_elementwise,
-                               not cfg.scan_layers)(up_BTF)
+                               not in_a_loop(cfg, self.kernels))(up_BTF)
         else:
-            h_BTF = recomputed(self.kernels.gelu, self.kernels.recompute_elementwise, not cfg.scan_layers)(up_BTF)
+            h_BTF = recomputed(self.kernels.gelu, self.kernels.recompute_elementwise, not in_a_loop(cfg, self.kernels))(up_BTF)
         out = dense(cfg, self.kernels, cfg.d_model, "down", output=True)(h_BTF)
         return nn.Dropout(cfg.dropout)(out, deterministic=self.deterministic)
 
@@ -279,7 +308,7 @@ class TransformerBlock(nn.Module):
         chex.assert_shape(x_BTC, (B, T, cfg.d_model))
         if cfg.x0_mix:
             mix = self.param("x0_mix", lambda _, shape, dtype: jnp.array([1.0, 0.0], dtype), (2,), jnp.float32)
-            x_BTC = (mix[0] * x_BTC + mix[1] * x0_BTC).astype(x_BTC.dtype)
+            x_BTC = mixed(kernels, cfg, x_BTC, x0_BTC, mix[0], mix[1])
         attention = CausalSelfAttention(cfg, kernels, self.deterministic, self.train, name="attention")
         feed_forward = FeedForward(cfg, kernels, self.deterministic, name="feed_forward")
         attention_norm = make_norm(cfg, kernels, "attention_norm")

@@ -19,6 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgpt.config import ModelConfig
+from jaxgpt.kernels import Kernels
+from jaxgpt.model.layers import mixed
 
 
 class Shared(NamedTuple):
@@ -67,7 +69,7 @@ def empty_skips(cfg: ModelConfig, x_BTC: jax.Array) -> jax.Array:
     return jnp.zeros((cfg.n_layers // 2 + 1, *x_BTC.shape), x_BTC.dtype)
 
 
-def layer_step(cfg: ModelConfig) -> Callable[..., Any]:
+def layer_step(cfg: ModelConfig, kernels: Kernels) -> Callable[..., Any]:
     """One layer of the stack as a function of (block, carry, rope, kv, index, shared, row): the
     carry is the residual stream, or (stream, skip buffer) under model.unet_skips; `row` is this
     layer's `layer_table` entries. A scan's body and the unscanned loop alike."""
@@ -76,7 +78,7 @@ def layer_step(cfg: ModelConfig) -> Callable[..., Any]:
         if cfg.unet_skips:
             x_BTC, skips_SBTC = carry
             taken_BTC = jax.lax.dynamic_index_in_dim(skips_SBTC, row["skip_from"], keepdims=False)
-            x_BTC = (x_BTC + row["skip_weight"] * taken_BTC).astype(x_BTC.dtype)
+            x_BTC = mixed(kernels, cfg, x_BTC, taken_BTC, jnp.float32(1.0), row["skip_weight"])
         else:
             x_BTC = carry
         values = None
