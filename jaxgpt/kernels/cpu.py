@@ -14,6 +14,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxgpt.kernels import xla
 from jaxgpt.kernels.base import Kernels
 from jaxgpt.kernels.cpu_attention import REMAT_TILE, TILED_TRAIN_CONTEXT, blocked_causal_attention, causal_query_blocks
 from jaxgpt.kernels.cpu_matmul import (
@@ -42,9 +43,12 @@ def _einsum_f32(spec: str) -> Any:
 
 
 def f32_attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, *, train: bool = False,
-                  remat: bool = False) -> jax.Array:
+                  remat: bool = False, segment_ids: jax.Array | None = None) -> jax.Array:
     """Query blocks (`causal_query_blocks`), or flash-style tiles under remat and for a train
-    step's long contexts, where they bound what the backward pass holds."""
+    step's long contexts, where they bound what the backward pass holds. With `segment_ids`,
+    XLA's attention: the blocks know only the causal mask."""
+    if segment_ids is not None:
+        return xla.attention(q_BTHD, k_BTKD, v_BTKD, segment_ids=segment_ids)
     B, T, H, _ = q_BTHD.shape
     tiled = remat or (train and T >= TILED_TRAIN_CONTEXT)
     return blocked_causal_attention(q_BTHD, k_BTKD, v_BTKD, tile=REMAT_TILE if tiled else None,
@@ -52,9 +56,12 @@ def f32_attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, *, tr
 
 
 def bf16_attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, *, train: bool = False,
-                   remat: bool = False) -> jax.Array:
+                   remat: bool = False, segment_ids: jax.Array | None = None) -> jax.Array:
     """`bf16_causal_attention`, whose backward holds only q, k and v and one block's scores at a
-    time; under remat from `TILED_TRAIN_CONTEXT` positions on, the float32 tiles."""
+    time; under remat from `TILED_TRAIN_CONTEXT` positions on, the float32 tiles. With
+    `segment_ids`, XLA's attention (`f32_attention`)."""
+    if segment_ids is not None:
+        return xla.attention(q_BTHD, k_BTKD, v_BTKD, segment_ids=segment_ids)
     T = q_BTHD.shape[1]
     if remat and T >= TILED_TRAIN_CONTEXT:
         return f32_attention(q_BTHD, k_BTKD, v_BTKD, train=train, remat=remat)

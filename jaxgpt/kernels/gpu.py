@@ -24,11 +24,13 @@ from jaxgpt.kernels.head_loss import mean_head_loss
 
 
 def attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, *, train: bool = False,
-              remat: bool = False, mesh: Any = None, axes: tuple[str, ...] | None = None) -> jax.Array:
+              remat: bool = False, segment_ids: jax.Array | None = None, mesh: Any = None,
+              axes: tuple[str, ...] | None = None) -> jax.Array:
     """cuDNN's attention in 16-bit dtypes (with `mesh`, run per device on its rows: cuDNN's own
-    partitioner fails under FSDP), XLA's in float32."""
-    if q_BTHD.dtype not in (jnp.bfloat16, jnp.float16):  # cuDNN's flash kernel has no float32
-        return xla.attention(q_BTHD, k_BTKD, v_BTKD)
+    partitioner fails under FSDP), XLA's in float32 and with `segment_ids`."""
+    # cuDNN's flash kernel has no float32, and jax hands it no segment mask.
+    if q_BTHD.dtype not in (jnp.bfloat16, jnp.float16) or segment_ids is not None:
+        return xla.attention(q_BTHD, k_BTKD, v_BTKD, segment_ids=segment_ids)
     attend = functools.partial(jax.nn.dot_product_attention, is_causal=True, implementation="cudnn")
     return (attend if mesh is None else per_device(attend, mesh, axes))(q_BTHD, k_BTKD, v_BTKD)
 

@@ -104,12 +104,13 @@ def splash_attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, *,
 
 
 def attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, *, train: bool = False,
-              remat: bool = False, interpret: bool = False, max_block: int = MAX_BLOCK,
-              mesh: Any = None, axes: tuple[str, ...] | None = None) -> jax.Array:
-    """Splash attention from `SPLASH_MIN_CONTEXT` positions on, else XLA's; with `mesh`, each
-    device runs the kernel on its share of the batch. `train` and `remat` change nothing here."""
-    if q_BTHD.shape[1] < SPLASH_MIN_CONTEXT:
-        return xla.attention(q_BTHD, k_BTKD, v_BTKD)
+              remat: bool = False, segment_ids: jax.Array | None = None, interpret: bool = False,
+              max_block: int = MAX_BLOCK, mesh: Any = None, axes: tuple[str, ...] | None = None) -> jax.Array:
+    """Splash attention from `SPLASH_MIN_CONTEXT` positions on, else XLA's (and XLA's with
+    `segment_ids`: the kernel is built causal only); with `mesh`, each device runs the kernel on
+    its share of the batch. `train` and `remat` change nothing here."""
+    if q_BTHD.shape[1] < SPLASH_MIN_CONTEXT or segment_ids is not None:
+        return xla.attention(q_BTHD, k_BTKD, v_BTKD, segment_ids=segment_ids)
     attend = functools.partial(splash_attention, interpret=interpret, max_block=max_block)
     return (attend if mesh is None else per_device(attend, mesh, axes))(q_BTHD, k_BTKD, v_BTKD)
 

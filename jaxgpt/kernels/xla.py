@@ -18,9 +18,16 @@ from jaxgpt.kernels.base import Kernels
 
 
 def attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, *, train: bool = False,
-              remat: bool = False) -> jax.Array:
-    """Causal attention, grouped KV heads read in place; `train` and `remat` change nothing here."""
-    return jax.nn.dot_product_attention(q_BTHD, k_BTKD, v_BTKD, is_causal=True)
+              remat: bool = False, segment_ids: jax.Array | None = None) -> jax.Array:
+    """Causal attention, grouped KV heads read in place; with `segment_ids` [B, T] a query reads
+    only the keys of its own segment. `train` and `remat` change nothing here."""
+    mask = None if segment_ids is None else same_segment(segment_ids)
+    return jax.nn.dot_product_attention(q_BTHD, k_BTKD, v_BTKD, mask=mask, is_causal=True)
+
+
+def same_segment(segment_ids_BT: jax.Array) -> jax.Array:
+    """[B, 1, T, T]: whether query t and key s lie in the same segment (one mask for every head)."""
+    return (segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :])[:, None]
 
 
 def tied_logits(h_BTC: jax.Array, embedding_VC: jax.Array, dtype: Any) -> jax.Array:

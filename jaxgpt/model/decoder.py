@@ -87,13 +87,15 @@ class Decoder(nn.Module):
     @nn.compact
     def __call__(
         self, token_ids_BT: jax.Array, cache: Cache | None = None, all_depths: bool = False, fresh: bool = False,
-        stop_before_head: bool = False,
+        stop_before_head: bool = False, segment_ids: jax.Array | None = None,
     ) -> tuple[jax.Array, Cache | None]:
         cfg, kernels = self.cfg, self.kernels
         B, T = token_ids_BT.shape
         C, V = cfg.d_model, cfg.vocab_size
         dtype = activation_dtype(cfg, kernels)
-        if cache is None:
+        if segment_ids is not None:
+            segment_ids, positions_BT = segment_runs(segment_ids)
+        elif cache is None:
             positions_BT = jnp.broadcast_to(jnp.arange(T), (B, T))
         else:
             positions_BT = cache["index"][:, None] + jnp.arange(T)
@@ -117,7 +119,7 @@ class Decoder(nn.Module):
         x_BTC = nn.Dropout(cfg.dropout)(x_BTC, deterministic=self.deterministic).astype(dtype)
         chex.assert_shape(x_BTC, (B, T, C))
 
-        shared = Shared(x0_BTC=x_BTC if cfg.x0_mix else None)
+        shared = Shared(x0_BTC=x_BTC if cfg.x0_mix else None, segment_ids=segment_ids)
         if cfg.value_embeds:
             # Initialised at the spread of the values they join: unit-RMS inputs times init_std weights.
             tables_NVX = self.param("value_embeds", nn.initializers.normal(cfg.init_std * C**0.5),
@@ -181,6 +183,27 @@ class Decoder(nn.Module):
         return (carry[0] if cfg.unet_skips else carry), kv
 
 
+def segment_runs(segment_ids_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(the run each token is in, its position within the run), each [B, T]: a run is a stretch of
+    equal ids, so two documents that share an id but not a border stay apart."""
+    t = jnp.arange(segment_ids_BT.shape[1])
+    starts_BT = jnp.concatenate([jnp.ones_like(segment_ids_BT[:, :1], bool),
+                                 segment_ids_BT[:, 1:] != segment_ids_BT[:, :-1]], axis=1)
+    runs_BT = jnp.cumsum(starts_BT, axis=1, dtype=jnp.int32)
+    return runs_BT, t - jax.lax.cummax(jnp.where(starts_BT, t, 0), axis=1)
+
+
+def check_segment_ids(segment_ids: Any, token_ids: jax.Array) -> jax.Array:
+    """`segment_ids` as an int32 array of the token IDs' shape, or a one-line UserError."""
+    segment_ids = jnp.asarray(segment_ids)
+    if segment_ids.shape != token_ids.shape:
+        raise UserError(f"segment_ids have shape {tuple(segment_ids.shape)}, the token IDs {tuple(token_ids.shape)}: "
+                        "one segment id per token")
+    if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+        raise UserError(f"segment_ids must be integers, got {segment_ids.dtype}")
+    return segment_ids.astype(jnp.int32)
+
+
 def _block_class(cfg: ModelConfig, kernels: Kernels) -> type[nn.Module]:
     """The block, wrapped in `nn.remat` when its backward pass should recompute (`model.remat`):
     all of it ("full"), all but the matmul outputs ("dots"), or, in a scanned stack under "none",
@@ -213,22 +236,30 @@ def forward(
     train: bool = False,
     rng: jax.Array | None = None,
     kernels: Kernels = PORTABLE,
+    segment_ids: jax.Array | None = None,
 ) -> jax.Array:
     """Logits [B, T, V] in float32, or [1 + mtp_depth, B, T, V] with `all_depths`.
+
+    `segment_ids` [B, T] (integers): rows packed from several documents, a segment a run of equal
+    ids. A token attends only within its segment and its position restarts at the segment's
+    start, so each document's logits equal its logits alone.
 
     `train`: a train step's forward pass. Dropout is active (with `model.dropout` > 0, drawn from
     `rng`), and the kernels may lay the attention out for the backward pass that follows; the
     values do not depend on that layout beyond float rounding.
     """
-    return _apply(params, cfg, token_ids, all_depths=all_depths, train=train, rng=rng, kernels=kernels)
+    return _apply(params, cfg, token_ids, all_depths=all_depths, train=train, rng=rng, kernels=kernels,
+                  segment_ids=segment_ids)
 
 
 def head_inputs(params: Params, cfg: ModelConfig, token_ids: jax.Array, *, train: bool = False,
-                rng: jax.Array | None = None, kernels: Kernels = PORTABLE) -> jax.Array:
+                rng: jax.Array | None = None, kernels: Kernels = PORTABLE,
+                segment_ids: jax.Array | None = None) -> jax.Array:
     """What the head reads at every depth, [1 + mtp_depth, B, T, C]: `forward(..., all_depths=True)`
     stopped before the head, for a loss that runs the head itself (`Kernels.head_loss`, with
     `head_weight`)."""
-    return _apply(params, cfg, token_ids, all_depths=True, train=train, rng=rng, kernels=kernels, head=False)
+    return _apply(params, cfg, token_ids, all_depths=True, train=train, rng=rng, kernels=kernels, head=False,
+                  segment_ids=segment_ids)
 
 
 def head_weight(params: Params, cfg: ModelConfig) -> jax.Array:
@@ -236,8 +267,10 @@ def head_weight(params: Params, cfg: ModelConfig) -> jax.Array:
     return params["token_embedding"]["embedding"] if cfg.tie_embeddings else params["lm_head"]["kernel"]
 
 
-def _apply(params, cfg, token_ids, *, all_depths, train, rng, kernels, head=True):
+def _apply(params, cfg, token_ids, *, all_depths, train, rng, kernels, head=True, segment_ids=None):
     token_ids = check_token_ids(token_ids, cfg.vocab_size)
+    if segment_ids is not None:
+        segment_ids = check_segment_ids(segment_ids, token_ids)
     if cfg.position == "learned" and token_ids.shape[1] > cfg.context_length:
         raise UserError(
             f"sequence exceeds context_length: {token_ids.shape[1]} > {cfg.context_length}"
@@ -247,7 +280,8 @@ def _apply(params, cfg, token_ids, *, all_depths, train, rng, kernels, head=True
         raise UserError("forward(train=True) with model.dropout > 0 needs an `rng` for dropout")
     rngs = {"dropout": rng} if dropout_active else {}
     out, _ = Decoder(cfg, kernels, deterministic=not dropout_active, train=train).apply(
-        {"params": params}, token_ids, all_depths=all_depths, stop_before_head=not head, rngs=rngs
+        {"params": params}, token_ids, all_depths=all_depths, stop_before_head=not head, rngs=rngs,
+        segment_ids=segment_ids,
     )
     return out
 

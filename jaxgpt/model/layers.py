@@ -175,13 +175,14 @@ class CausalSelfAttention(nn.Module):
     @nn.compact
     def __call__(
         self, x_BTC: jax.Array, rope: Rope | None, kv: KV | None = None, index: jax.Array | None = None,
-        values: ValueEmbeds | None = None,
+        values: ValueEmbeds | None = None, segment_ids: jax.Array | None = None,
     ) -> tuple[jax.Array, KV | None]:
         """Cached decoding passes `index` [B]: the T new keys and values are then returned for the
         caller to write (`write_kv`), so no layer copies the cache. With `kv` too (this layer's
         cache, read only) the queries also read each sequence's first `index` cached positions;
         without it (a prefill into an empty cache) they read only the new tokens. `values`: the
-        value embeddings (model.value_embeds), mixed into the values before they are cached."""
+        value embeddings (model.value_embeds), mixed into the values before they are cached;
+        `segment_ids` [B, T]: each query reads only its own segment's keys (no cache)."""
         cfg = self.cfg
         B, T, _ = x_BTC.shape
         H, K, D = cfg.n_heads, cfg.kv_heads, cfg.head_size
@@ -201,7 +202,9 @@ class CausalSelfAttention(nn.Module):
         q_BTHD, k_BTKD = prepare(q_BTHD, k_BTKD, rope)
 
         if kv is None:
-            out_BTHD = self.kernels.attention(q_BTHD, k_BTKD, v_BTKD, train=self.train, remat=cfg.remat != "none")
+            segments = {} if segment_ids is None else {"segment_ids": segment_ids}
+            out_BTHD = self.kernels.attention(q_BTHD, k_BTKD, v_BTKD, train=self.train, remat=cfg.remat != "none",
+                                              **segments)
         else:
             out_BTHD = cached_attention(q_BTHD, kv, (k_BTKD, v_BTKD), index)
         kv = None if index is None else (k_BTKD, v_BTKD)
@@ -299,10 +302,10 @@ class TransformerBlock(nn.Module):
     @nn.compact
     def __call__(
         self, x_BTC: jax.Array, rope: Rope | None, kv: KV | None = None, index: jax.Array | None = None,
-        x0_BTC: jax.Array | None = None, values: ValueEmbeds | None = None,
+        x0_BTC: jax.Array | None = None, values: ValueEmbeds | None = None, segment_ids: jax.Array | None = None,
     ) -> tuple[jax.Array, KV | None]:
         """`x0_BTC`: the first block's input, mixed in under model.x0_mix; `values`: the value
-        embeddings (model.value_embeds)."""
+        embeddings (model.value_embeds); `segment_ids`: the attention's segments."""
         cfg, kernels = self.cfg, self.kernels
         B, T, _ = x_BTC.shape
         chex.assert_shape(x_BTC, (B, T, cfg.d_model))
@@ -314,11 +317,11 @@ class TransformerBlock(nn.Module):
         attention_norm = make_norm(cfg, kernels, "attention_norm")
         feed_forward_norm = make_norm(cfg, kernels, "feed_forward_norm")
         if cfg.residual == "pre":
-            attended, kv = attention(attention_norm(x_BTC), rope, kv, index, values)
+            attended, kv = attention(attention_norm(x_BTC), rope, kv, index, values, segment_ids)
             y_BTC = x_BTC + attended
             y_BTC = y_BTC + feed_forward(feed_forward_norm(y_BTC))
         else:
-            attended, kv = attention(x_BTC, rope, kv, index, values)
+            attended, kv = attention(x_BTC, rope, kv, index, values, segment_ids)
             y_BTC = attention_norm(x_BTC + attended)
             y_BTC = feed_forward_norm(y_BTC + feed_forward(y_BTC))
         y_BTC = y_BTC.astype(x_BTC.dtype)

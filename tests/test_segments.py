@@ -1,0 +1,72 @@
+"""Packed rows (`forward(segment_ids=...)`): a document's logits in a row of several equal its
+logits alone, whatever the positions, the kernels or the block's switches."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import SPEEDRUN
+
+from jaxgpt.config import load_config
+from jaxgpt.errors import UserError
+from jaxgpt.kernels import PORTABLE, choose_kernels
+from jaxgpt.model.decoder import forward, init_params, segment_runs
+
+LENGTHS = (5, 7, 4)  # three documents in one row of 16
+TINY = ["model.vocab_size=64", "model.d_model=32", "model.n_heads=4", "model.n_layers=2", "model.context_length=16"]
+
+
+def packed(lengths=LENGTHS, seed=1):
+    tokens = jax.random.randint(jax.random.key(seed), (1, sum(lengths)), 0, 64)
+    ids = jnp.asarray(np.repeat(np.arange(len(lengths)) * 7 % 5, lengths)[None])  # any ints, one per run
+    return tokens, ids
+
+
+@pytest.mark.parametrize("case", ["learned", "rope", "sinusoidal", "speedrun"])
+def test_each_document_in_a_packed_row_gets_its_logits_alone(case):
+    overrides = [*TINY, *(SPEEDRUN if case == "speedrun" else [f"model.position={case}"])]
+    cfg = load_config(None, [o for o in overrides if o.startswith("model.")]).model
+    params = init_params(cfg, jax.random.key(0))
+    params = jax.tree_util.tree_map(lambda p: p + 0.05 * jax.random.normal(jax.random.key(2), p.shape), params)
+    tokens, ids = packed()
+    for kernels in (PORTABLE, choose_kernels(cfg)):
+        got = forward(params, cfg, tokens, segment_ids=ids, kernels=kernels)
+        start = 0
+        for n in LENGTHS:
+            alone = forward(params, cfg, tokens[:, start:start + n], kernels=kernels)
+            np.testing.assert_allclose(got[:, start:start + n], alone, rtol=0, atol=2e-5)
+            start += n
+        whole = forward(params, cfg, tokens, kernels=kernels)  # without segments the later documents differ
+        assert np.abs(np.asarray(whole[:, LENGTHS[0]:] - got[:, LENGTHS[0]:])).max() > 1e-3
+
+
+def test_one_segment_is_the_plain_causal_pass_and_gradients_stay_in_their_document():
+    cfg = load_config(None, [*TINY, "model.position=rope", "model.tie_embeddings=false"]).model  # rows read only as inputs
+    params = init_params(cfg, jax.random.key(0))
+    tokens, ids = packed()
+    np.testing.assert_array_equal(forward(params, cfg, tokens, segment_ids=jnp.zeros_like(tokens)),
+                                  forward(params, cfg, tokens))
+    # The last document's loss does not reach the first document's embeddings.
+    embed = lambda x: forward({**params, "token_embedding": {"embedding": x}}, cfg, tokens, segment_ids=ids)
+    last = lambda x: embed(x)[:, -LENGTHS[-1]:].sum()
+    grad = jax.grad(last)(params["token_embedding"]["embedding"])
+    first_only = set(np.asarray(tokens[0, :LENGTHS[0]]).tolist()) - set(np.asarray(tokens[0, -LENGTHS[-1]:]).tolist())
+    assert first_only and all(np.abs(np.asarray(grad[t])).max() == 0 for t in first_only)
+
+
+def test_runs_restart_where_the_id_changes_even_when_an_id_comes_back():
+    runs, positions = segment_runs(jnp.array([[3, 3, 3, 9, 9, 3, 3]]))
+    np.testing.assert_array_equal(runs, [[1, 1, 1, 2, 2, 3, 3]])
+    np.testing.assert_array_equal(positions, [[0, 1, 2, 0, 1, 0, 1]])
+
+
+def test_segment_ids_of_another_shape_or_type_are_one_line_errors():
+    cfg = load_config(None, TINY).model
+    params = init_params(cfg, jax.random.key(0))
+    tokens = jnp.zeros((2, 8), jnp.int32)
+    with pytest.raises(UserError, match=r"segment_ids have shape \(2, 7\), the token IDs \(2, 8\)"):
+        forward(params, cfg, tokens, segment_ids=jnp.zeros((2, 7), jnp.int32))
+    with pytest.raises(UserError, match="segment_ids must be integers"):
+        forward(params, cfg, tokens, segment_ids=jnp.zeros((2, 8), jnp.float32))
