@@ -178,3 +178,26 @@ def test_a_jax_without_splash_attention_still_imports_the_set_and_falls_back(fre
         monkeypatch.undo()
         importlib.reload(tpu)
     assert tpu.SPLASH_MISSING is None
+
+
+@pytest.mark.parametrize("layout, T", [("gqa", 256), ("mqa", 200)])
+def test_splash_attention_with_segments_equals_the_portable_attention(random_qkv, layout, T):
+    """Packed rows (`forward(segment_ids=...)`): splash's own segment mask, one row per device of a
+    mesh too, gives the portable masked attention's output and gradients."""
+    H, K = LAYOUTS[layout]
+    q, k, v = random_qkv(2, T, H, K, D)
+    ids = jnp.asarray(np.stack([np.repeat([0, 1, 2], [70, 100, T - 170]), np.repeat([5, 3], [T // 2, T - T // 2])]))
+    cotangent = jax.random.normal(jax.random.key(7), q.shape)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("data",))
+
+    def run(attention):
+        out, pullback = jax.vjp(lambda q, k, v: attention(q, k, v, train=True, segment_ids=ids), q, k, v)
+        return out, pullback(cotangent)
+
+    outputs = jax.jit(lambda: (run(SPLASH.attention), run(SPLASH.on_mesh(mesh).attention), run(xla.attention)))()
+    (got, got_grads), (on_mesh, mesh_grads), (want, want_grads) = jax.tree_util.tree_map(np.asarray, outputs)
+    for name, g, m, w in [("out", got, on_mesh, want), *zip(("dq", "dk", "dv"), got_grads, mesh_grads, want_grads)]:
+        bound = 1e-5 * max(1.0, float(np.abs(w).max()))
+        np.testing.assert_allclose(g, w, rtol=0, atol=bound, err_msg=name)
+        np.testing.assert_allclose(m, w, rtol=0, atol=bound, err_msg=f"{name} on the mesh")
+    assert np.abs(want - np.asarray(xla.attention(q, k, v))).max() > 1e-2  # the segments matter

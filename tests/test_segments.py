@@ -70,3 +70,17 @@ def test_segment_ids_of_another_shape_or_type_are_one_line_errors():
         forward(params, cfg, tokens, segment_ids=jnp.zeros((2, 7), jnp.int32))
     with pytest.raises(UserError, match="segment_ids must be integers"):
         forward(params, cfg, tokens, segment_ids=jnp.zeros((2, 8), jnp.float32))
+
+
+def test_the_gpu_set_hands_packed_rows_to_xla_with_one_warning(caplog):
+    from jaxgpt.kernels import gpu, xla
+
+    gpu._portable_for_segments.cache_clear()
+    q, k, v = (jax.random.normal(jax.random.key(i), (2, 16, 4, 8), jnp.bfloat16) for i in range(3))
+    _, ids = packed()
+    ids = jnp.concatenate([ids, ids[:, ::-1]])
+    with caplog.at_level("WARNING", logger="jaxgpt.kernels"):
+        outs = [gpu.attention(q, k, v, segment_ids=ids) for _ in range(2)]
+    want = xla.attention(q, k, v, segment_ids=ids)
+    assert all(np.array_equal(np.asarray(o, np.float32), np.asarray(want, np.float32)) for o in outs)
+    assert [r.getMessage() for r in caplog.records] == ["jaxgpt: packed rows (segment_ids) run XLA's attention on the GPU, not cuDNN's"]

@@ -75,8 +75,10 @@ class Kernels:
         return dataclasses.replace(self, attention=self.mesh_attention(mesh, axes))
 
 
-def per_device(attend: Callable[..., Any], mesh: Any, axes: tuple[str, ...] | None = None) -> Callable[..., Any]:
-    """`attend(q, k, v)` run by each device on its rows of the batch, split over `axes` of `mesh`
+def per_device(attend: Callable[..., Any], mesh: Any, axes: tuple[str, ...] | None = None,
+               inputs: int = 3) -> Callable[..., Any]:
+    """`attend(q, k, v)` (and `inputs` - 3 more arrays, each batch first: the segment ids) run by
+    each device on its rows of the batch, split over `axes` of `mesh`
     (default: all; under `vmap(..., spmd_axis_name=A)` the vmapped axis goes over A): for a kernel XLA's partitioner cannot split (Pallas), or splits wrongly (cuDNN's
     attention under FSDP: its partitioner asks an internal [1, 1, 4, 1, 2] array to divide by 8)."""
     import jax
@@ -84,7 +86,7 @@ def per_device(attend: Callable[..., Any], mesh: Any, axes: tuple[str, ...] | No
 
     spec = PartitionSpec(tuple(mesh.axis_names if axes is None else axes))
     if hasattr(jax, "shard_map"):  # jax 0.6.1 on; before, only the experimental one
-        return jax.shard_map(attend, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec, check_vma=False)
+        return jax.shard_map(attend, mesh=mesh, in_specs=(spec,) * inputs, out_specs=spec, check_vma=False)
     from jax.experimental.shard_map import shard_map
 
-    return shard_map(attend, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec, check_rep=False)
+    return shard_map(attend, mesh=mesh, in_specs=(spec,) * inputs, out_specs=spec, check_rep=False)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from typing import Any
 
 import jax
@@ -28,11 +29,20 @@ def attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, *, train:
               axes: tuple[str, ...] | None = None) -> jax.Array:
     """cuDNN's attention in 16-bit dtypes (with `mesh`, run per device on its rows: cuDNN's own
     partitioner fails under FSDP), XLA's in float32 and with `segment_ids`."""
-    # cuDNN's flash kernel has no float32, and jax hands it no segment mask.
-    if q_BTHD.dtype not in (jnp.bfloat16, jnp.float16) or segment_ids is not None:
+    if segment_ids is not None:
+        _portable_for_segments()
         return xla.attention(q_BTHD, k_BTKD, v_BTKD, segment_ids=segment_ids)
+    if q_BTHD.dtype not in (jnp.bfloat16, jnp.float16):  # cuDNN's flash kernel has no float32
+        return xla.attention(q_BTHD, k_BTKD, v_BTKD)
     attend = functools.partial(jax.nn.dot_product_attention, is_causal=True, implementation="cudnn")
     return (attend if mesh is None else per_device(attend, mesh, axes))(q_BTHD, k_BTKD, v_BTKD)
+
+
+@functools.lru_cache(maxsize=None)
+def _portable_for_segments() -> None:
+    """One warning line a process: jaxgpt hands cuDNN's kernel no segment mask yet."""
+    logging.getLogger("jaxgpt.kernels").warning(
+        "jaxgpt: packed rows (segment_ids) run XLA's attention on the GPU, not cuDNN's")
 
 
 # A train step runs the block stack unrolled (no loop; the params keep their stacked layout): a

@@ -17,6 +17,8 @@ only q, k, v, the output and a log-sum-exp per row for the backward pass. Here:
   multiple of 128 up to `MAX_BLOCK` (MaxText's 512, clipped to the sequence) that divides it.
   Padded keys come after every real query, so the causal mask hides them; padded queries' rows
   are dropped. The queries are scaled by D^-1/2 first: the kernel does not scale.
+* Packed rows (`forward(segment_ids=...)`) hand their ids to the kernel's own segment mask;
+  padded positions form a segment of their own.
 * Under a device mesh (`Kernels.on_mesh`) the kernel runs per device inside `shard_map` over the
   batch axes: XLA's partitioner cannot split a Pallas kernel.
 
@@ -82,9 +84,10 @@ def _splash(padded: int, block: int, heads: int, mqa: bool, interpret: bool) -> 
     return make(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, **flags)
 
 
-def splash_attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, *, interpret: bool = False,
-                     max_block: int = MAX_BLOCK) -> jax.Array:
-    """Causal attention through the splash kernel: `xla.attention`'s result, [B, T, H, D]."""
+def splash_attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, segment_ids_BT: jax.Array | None = None,
+                     *, interpret: bool = False, max_block: int = MAX_BLOCK) -> jax.Array:
+    """Causal attention through the splash kernel: `xla.attention`'s result, [B, T, H, D]; with
+    `segment_ids_BT`, the kernel's own segment mask (its blocks wholly across segments still run)."""
     if SPLASH_MISSING:
         raise NotImplementedError(SPLASH_MISSING)
     B, T, H, D = q_BTHD.shape
@@ -99,20 +102,26 @@ def splash_attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, *,
     k_BKTD, v_BKTD = heads_major(k_BTKD), heads_major(v_BTKD)
     if K == 1:
         k_BKTD, v_BKTD = k_BKTD[:, 0], v_BKTD[:, 0]
-    out_BHTD = jax.vmap(kernel)(q_BHTD, k_BKTD, v_BKTD)
+    if segment_ids_BT is None:
+        out_BHTD = jax.vmap(kernel)(q_BHTD, k_BKTD, v_BKTD)
+    else:  # padded positions are a segment of their own, which no real query reads
+        padded_BT = jnp.pad(segment_ids_BT.astype(jnp.int32), ((0, 0), (0, padded - T)), constant_values=-1)
+        one = lambda q, k, v, ids: kernel(q, k, v, segment_ids=splash_kernel.SegmentIds(q=ids, kv=ids))
+        out_BHTD = jax.vmap(one)(q_BHTD, k_BKTD, v_BKTD, padded_BT)
     return out_BHTD.transpose(0, 2, 1, 3)[:, :T]
 
 
 def attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, *, train: bool = False,
               remat: bool = False, segment_ids: jax.Array | None = None, interpret: bool = False,
               max_block: int = MAX_BLOCK, mesh: Any = None, axes: tuple[str, ...] | None = None) -> jax.Array:
-    """Splash attention from `SPLASH_MIN_CONTEXT` positions on, else XLA's (and XLA's with
-    `segment_ids`: the kernel is built causal only); with `mesh`, each device runs the kernel on
-    its share of the batch. `train` and `remat` change nothing here."""
-    if q_BTHD.shape[1] < SPLASH_MIN_CONTEXT or segment_ids is not None:
+    """Splash attention from `SPLASH_MIN_CONTEXT` positions on, else XLA's, each with
+    `segment_ids` where given; with `mesh`, each device runs the kernel on its share of the batch.
+    `train` and `remat` change nothing here."""
+    if q_BTHD.shape[1] < SPLASH_MIN_CONTEXT:
         return xla.attention(q_BTHD, k_BTKD, v_BTKD, segment_ids=segment_ids)
     attend = functools.partial(splash_attention, interpret=interpret, max_block=max_block)
-    return (attend if mesh is None else per_device(attend, mesh, axes))(q_BTHD, k_BTKD, v_BTKD)
+    arrays = (q_BTHD, k_BTKD, v_BTKD) + (() if segment_ids is None else (segment_ids,))
+    return (attend if mesh is None else per_device(attend, mesh, axes, inputs=len(arrays)))(*arrays)
 
 
 @functools.lru_cache(maxsize=None)
