@@ -239,7 +239,9 @@ def test_each_group_peak_scales_its_groups_updates_alone(optimizer) -> None:
     swept = by_group(jax.jit(lambda hp: one_update(grouped_cfg, params, hp))(traced))
     for group in plain:
         for got, want in zip(swept[group], grouped[group]):
-            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-8, err_msg=group)
+            # One jitted program against op-by-op dispatch: Muon's Newton-Schulz steps round each
+            # differently, up to about 1e-6 of the update's largest entry (1.2e-6 seen).
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()), err_msg=group)
 
 
 def test_no_group_peak_keeps_the_optimiser_and_its_state_as_they_were() -> None:
