@@ -114,6 +114,11 @@ class ModelConfig:
     value_embeds: int = entry(0, IDENTITY)
     # The attention logits' scale; 0: 1 / sqrt(head_size).
     attention_scale: float = entry(0.0, IDENTITY)
+    # Sliding-window attention: in the blocks window_pattern marks S, a query at t attends to keys
+    # t - W + 1 .. t only; 0: every block attends over the whole context.
+    attention_window: int = entry(0, IDENTITY)
+    # L (the whole context) and S (the window) cycled over the blocks, first block first.
+    window_pattern: str = entry("S", IDENTITY)
     bias: bool = entry(False, IDENTITY)
     tie_embeddings: bool = entry(True, IDENTITY)
     dropout: float = entry(0.0, IDENTITY, INIT_FROM)
@@ -148,7 +153,10 @@ class ModelConfig:
         _positive(s, self, "vocab_size", "context_length", "d_model", "n_layers", "n_heads")
         _positive(s, self, "kv_heads", "hidden_size", "rope_base", "rope_scale", "norm_eps")
         _positive(s, self, "mtp_depth", "init_std", "logit_softcap", "value_embeds", "attention_scale",
-                  allow_zero=True)
+                  "attention_window", allow_zero=True)
+        if not self.window_pattern or set(self.window_pattern) - {"L", "S"}:
+            raise ConfigError(f"model.window_pattern = {self.window_pattern!r} must be letters L (whole context) "
+                              "and S (window), e.g. 'SSSL'")
         _choice(s, "position", self.position, ("learned", "rope", "sinusoidal"))
         _choice(s, "norm", self.norm, ("layernorm", "rmsnorm"))
         _choice(s, "residual", self.residual, ("pre", "post"))

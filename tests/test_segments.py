@@ -75,7 +75,7 @@ def test_segment_ids_of_another_shape_or_type_are_one_line_errors():
 def test_the_gpu_set_hands_packed_rows_to_xla_with_one_warning(caplog):
     from jaxgpt.kernels import gpu, xla
 
-    gpu._portable_for_segments.cache_clear()
+    gpu._portable_for_masks.cache_clear()
     q, k, v = (jax.random.normal(jax.random.key(i), (2, 16, 4, 8), jnp.bfloat16) for i in range(3))
     _, ids = packed()
     ids = jnp.concatenate([ids, ids[:, ::-1]])
@@ -83,4 +83,4 @@ def test_the_gpu_set_hands_packed_rows_to_xla_with_one_warning(caplog):
         outs = [gpu.attention(q, k, v, segment_ids=ids) for _ in range(2)]
     want = xla.attention(q, k, v, segment_ids=ids)
     assert all(np.array_equal(np.asarray(o, np.float32), np.asarray(want, np.float32)) for o in outs)
-    assert [r.getMessage() for r in caplog.records] == ["jaxgpt: packed rows (segment_ids) run XLA's attention on the GPU, not cuDNN's"]
+    assert [r.getMessage() for r in caplog.records] == ["jaxgpt: packed rows (segment_ids) and attention windows run XLA's attention on the GPU, not cuDNN's"]

@@ -45,6 +45,8 @@ def _check_exportable(cfg: ModelConfig) -> str:
         refuse("attention_scale", "(Hugging Face GPT-2 and Llama scale attention by 1 / sqrt(head size))")
     if cfg.rope_truncated:
         refuse("rope_truncated", "(Hugging Face Llama rotates every pair of a head)")
+    if cfg.attention_window:
+        refuse("attention_window", "(Hugging Face GPT-2 and Llama attend over the whole context)")
     if cfg.position == "sinusoidal":
         refuse("position", "(GPT-2 learns its positions, Llama rotates; neither has a fixed sinusoidal table)")
     if cfg.position == "learned":

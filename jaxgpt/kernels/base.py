@@ -19,9 +19,11 @@ class Kernels:
     name: str
     # `nn.Dense`'s dot_general: [..., C] x [C, F] with its dimension numbers, as `lax.dot_general`.
     dot_general: Callable[..., Any]
-    # Causal self-attention without a cache: (q_BTHD, k_BTKD, v_BTKD, *, train, remat, segment_ids)
-    # -> out_BTHD. `train`: the pass will be differentiated; `remat`: its backward recomputes it
-    # (model.remat); `segment_ids` [B, T] (None: one segment): a query reads only its own segment's keys.
+    # Causal self-attention without a cache: (q_BTHD, k_BTKD, v_BTKD, *, train, remat, segment_ids,
+    # window) -> out_BTHD. `train`: the pass will be differentiated; `remat`: its backward recomputes
+    # it (model.remat); `segment_ids` [B, T] (None: one segment): a query reads only its own
+    # segment's keys; `window` (an int32 scalar, 0: the whole context; None: no window asked for):
+    # the query at t reads keys t - window + 1 .. t only.
     attention: Callable[..., Any]
     # The head's logits, float32: (h_BTC, embedding_VC, dtype) tied, (h_BTC, kernel_CV, dtype) untied.
     tied_logits: Callable[..., Any]

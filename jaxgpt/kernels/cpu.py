@@ -43,12 +43,13 @@ def _einsum_f32(spec: str) -> Any:
 
 
 def f32_attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, *, train: bool = False,
-                  remat: bool = False, segment_ids: jax.Array | None = None) -> jax.Array:
+                  remat: bool = False, segment_ids: jax.Array | None = None,
+                  window: jax.Array | None = None) -> jax.Array:
     """Query blocks (`causal_query_blocks`), or flash-style tiles under remat and for a train
-    step's long contexts, where they bound what the backward pass holds. With `segment_ids`,
-    XLA's attention: the blocks know only the causal mask."""
-    if segment_ids is not None:
-        return xla.attention(q_BTHD, k_BTKD, v_BTKD, segment_ids=segment_ids)
+    step's long contexts, where they bound what the backward pass holds. With `segment_ids` or a
+    `window`, XLA's attention: the blocks know only the causal mask."""
+    if segment_ids is not None or window is not None:
+        return xla.attention(q_BTHD, k_BTKD, v_BTKD, segment_ids=segment_ids, window=window)
     B, T, H, _ = q_BTHD.shape
     tiled = remat or (train and T >= TILED_TRAIN_CONTEXT)
     return blocked_causal_attention(q_BTHD, k_BTKD, v_BTKD, tile=REMAT_TILE if tiled else None,
@@ -56,12 +57,13 @@ def f32_attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, *, tr
 
 
 def bf16_attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, *, train: bool = False,
-                   remat: bool = False, segment_ids: jax.Array | None = None) -> jax.Array:
+                   remat: bool = False, segment_ids: jax.Array | None = None,
+                  window: jax.Array | None = None) -> jax.Array:
     """`bf16_causal_attention`, whose backward holds only q, k and v and one block's scores at a
     time; under remat from `TILED_TRAIN_CONTEXT` positions on, the float32 tiles. With
-    `segment_ids`, XLA's attention (`f32_attention`)."""
-    if segment_ids is not None:
-        return xla.attention(q_BTHD, k_BTKD, v_BTKD, segment_ids=segment_ids)
+    `segment_ids` or a `window`, XLA's attention (`f32_attention`)."""
+    if segment_ids is not None or window is not None:
+        return xla.attention(q_BTHD, k_BTKD, v_BTKD, segment_ids=segment_ids, window=window)
     T = q_BTHD.shape[1]
     if remat and T >= TILED_TRAIN_CONTEXT:
         return f32_attention(q_BTHD, k_BTKD, v_BTKD, train=train, remat=remat)

@@ -112,13 +112,15 @@ def splash_attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, se
 
 
 def attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, *, train: bool = False,
-              remat: bool = False, segment_ids: jax.Array | None = None, interpret: bool = False,
-              max_block: int = MAX_BLOCK, mesh: Any = None, axes: tuple[str, ...] | None = None) -> jax.Array:
+              remat: bool = False, segment_ids: jax.Array | None = None, window: jax.Array | None = None,
+              interpret: bool = False, max_block: int = MAX_BLOCK, mesh: Any = None,
+              axes: tuple[str, ...] | None = None) -> jax.Array:
     """Splash attention from `SPLASH_MIN_CONTEXT` positions on, else XLA's, each with
-    `segment_ids` where given; with `mesh`, each device runs the kernel on its share of the batch.
-    `train` and `remat` change nothing here."""
-    if q_BTHD.shape[1] < SPLASH_MIN_CONTEXT:
-        return xla.attention(q_BTHD, k_BTKD, v_BTKD, segment_ids=segment_ids)
+    `segment_ids` where given; XLA's with a `window` (the kernel here is built causal only); with
+    `mesh`, each device runs the kernel on its share of the batch. `train` and `remat` change
+    nothing here."""
+    if q_BTHD.shape[1] < SPLASH_MIN_CONTEXT or window is not None:
+        return xla.attention(q_BTHD, k_BTKD, v_BTKD, segment_ids=segment_ids, window=window)
     attend = functools.partial(splash_attention, interpret=interpret, max_block=max_block)
     arrays = (q_BTHD, k_BTKD, v_BTKD) + (() if segment_ids is None else (segment_ids,))
     return (attend if mesh is None else per_device(attend, mesh, axes, inputs=len(arrays)))(*arrays)

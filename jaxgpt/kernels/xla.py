@@ -18,11 +18,23 @@ from jaxgpt.kernels.base import Kernels
 
 
 def attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, *, train: bool = False,
-              remat: bool = False, segment_ids: jax.Array | None = None) -> jax.Array:
+              remat: bool = False, segment_ids: jax.Array | None = None, window: jax.Array | None = None) -> jax.Array:
     """Causal attention, grouped KV heads read in place; with `segment_ids` [B, T] a query reads
-    only the keys of its own segment. `train` and `remat` change nothing here."""
+    only the keys of its own segment; with `window` (an int32 scalar, traced or not; 0: none) the
+    query at t reads only keys t - window + 1 .. t. `train` and `remat` change nothing here."""
     mask = None if segment_ids is None else same_segment(segment_ids)
-    return jax.nn.dot_product_attention(q_BTHD, k_BTKD, v_BTKD, mask=mask, is_causal=True)
+    if window is not None:
+        mask = in_window(q_BTHD.shape[1], window) if mask is None else mask & in_window(q_BTHD.shape[1], window)
+    masks = {} if mask is None else {"mask": mask}
+    return jax.nn.dot_product_attention(q_BTHD, k_BTKD, v_BTKD, is_causal=True, **masks)
+
+
+def in_window(T: int, window: jax.Array, offset: jax.Array | int = 0, keys: int | None = None) -> jax.Array:
+    """[1, 1, T, S] (S = `keys`, default T): whether key s is within `window` of query t, the
+    queries at positions offset + t (0 for every t of a window of 0: the whole context). Causality
+    is the caller's."""
+    distance = (offset + jnp.arange(T))[:, None] - jnp.arange(T if keys is None else keys)[None, :]
+    return ((window == 0) | (distance < window))[None, None]
 
 
 def same_segment(segment_ids_BT: jax.Array) -> jax.Array:

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from jaxgpt.config import ModelConfig
 from jaxgpt.kernels import PORTABLE, Kernels
+from jaxgpt.kernels.xla import in_window
 from jaxgpt.kernels.head_loss import softcap  # noqa: F401  (the head's cap, one definition for model and fused loss)
 
 Rope = tuple[jax.Array, jax.Array]  # (cos, sin), each [B, T, D/2] float32
@@ -175,14 +176,16 @@ class CausalSelfAttention(nn.Module):
     @nn.compact
     def __call__(
         self, x_BTC: jax.Array, rope: Rope | None, kv: KV | None = None, index: jax.Array | None = None,
-        values: ValueEmbeds | None = None, segment_ids: jax.Array | None = None,
+        values: ValueEmbeds | None = None, segment_ids: jax.Array | None = None, window: jax.Array | None = None,
     ) -> tuple[jax.Array, KV | None]:
         """Cached decoding passes `index` [B]: the T new keys and values are then returned for the
         caller to write (`write_kv`), so no layer copies the cache. With `kv` too (this layer's
         cache, read only) the queries also read each sequence's first `index` cached positions;
         without it (a prefill into an empty cache) they read only the new tokens. `values`: the
         value embeddings (model.value_embeds), mixed into the values before they are cached;
-        `segment_ids` [B, T]: each query reads only its own segment's keys (no cache)."""
+        `segment_ids` [B, T]: each query reads only its own segment's keys (no cache); `window`
+        (model.attention_window, this block's: 0 for the whole context) bounds how far back a
+        query reads, cached or not."""
         cfg = self.cfg
         B, T, _ = x_BTC.shape
         H, K, D = cfg.n_heads, cfg.kv_heads, cfg.head_size
@@ -202,11 +205,11 @@ class CausalSelfAttention(nn.Module):
         q_BTHD, k_BTKD = prepare(q_BTHD, k_BTKD, rope)
 
         if kv is None:
-            segments = {} if segment_ids is None else {"segment_ids": segment_ids}
+            masks = {key: value for key, value in (("segment_ids", segment_ids), ("window", window)) if value is not None}
             out_BTHD = self.kernels.attention(q_BTHD, k_BTKD, v_BTKD, train=self.train, remat=cfg.remat != "none",
-                                              **segments)
+                                              **masks)
         else:
-            out_BTHD = cached_attention(q_BTHD, kv, (k_BTKD, v_BTKD), index)
+            out_BTHD = cached_attention(q_BTHD, kv, (k_BTKD, v_BTKD), index, window)
         kv = None if index is None else (k_BTKD, v_BTKD)
         out = dense(cfg, self.kernels, cfg.d_model, "out", output=True)(out_BTHD.reshape(B, T, H * D))
         return nn.Dropout(cfg.dropout)(out, deterministic=self.deterministic), kv
@@ -225,8 +228,10 @@ def prepare_qk(cfg: ModelConfig, q_BTHD: jax.Array, k_BTKD: jax.Array, rope: Rop
     return q_BTHD, k_BTKD
 
 
-def cached_attention(q_BTHD: jax.Array, cache: KV, new: KV, index_B: jax.Array) -> jax.Array:
-    """T queries against a sequence's cached positions [0, index) and the T new keys, causally.
+def cached_attention(q_BTHD: jax.Array, cache: KV, new: KV, index_B: jax.Array,
+                     window: jax.Array | None = None) -> jax.Array:
+    """T queries against a sequence's cached positions [0, index) and the T new keys, causally;
+    with `window` (0: none), only the keys within it of each query.
 
     One softmax over both parts (scores in float32). Cache slots from `index` on hold padding or
     stale keys and are masked; the new keys need not be written first, so the cache is only read.
@@ -237,9 +242,16 @@ def cached_attention(q_BTHD: jax.Array, cache: KV, new: KV, index_B: jax.Array) 
     q_BTKGD = (q_BTHD * jnp.asarray(D**-0.5, q_BTHD.dtype)).reshape(B, T, K, H // K, D)
     dtype = q_BTHD.dtype
     old = jnp.einsum("btkgd,bskd->bkgts", q_BTKGD, k_BSKD.astype(dtype), preferred_element_type=jnp.float32)
-    old = jnp.where((jnp.arange(k_BSKD.shape[1]) < index_B[:, None])[:, None, None, None, :], old, -jnp.inf)
+    S = k_BSKD.shape[1]
+    written_BTS = jnp.broadcast_to((jnp.arange(S) < index_B[:, None])[:, None, :], (B, T, S))
+    if window is not None:  # the query at index + t reads cached position s where index + t - s < window
+        written_BTS = written_BTS & jax.vmap(lambda i: in_window(T, window, i, S)[0, 0])(index_B)
+    old = jnp.where(written_BTS[:, None, None], old, -jnp.inf)
     now = jnp.einsum("btkgd,bskd->bkgts", q_BTKGD, k_BTKD, preferred_element_type=jnp.float32)
-    now = jnp.where(jnp.tril(jnp.ones((T, T), bool)), now, -jnp.inf)
+    causal_TT = jnp.tril(jnp.ones((T, T), bool))
+    if window is not None:
+        causal_TT = causal_TT & in_window(T, window)[0, 0]
+    now = jnp.where(causal_TT, now, -jnp.inf)
     # The new part always holds the query's own key, so the max is finite and no row is empty.
     peak = jax.lax.stop_gradient(jnp.maximum(old.max(-1, keepdims=True), now.max(-1, keepdims=True)))
     p_old, p_now = jnp.exp(old - peak), jnp.exp(now - peak)
@@ -303,9 +315,10 @@ class TransformerBlock(nn.Module):
     def __call__(
         self, x_BTC: jax.Array, rope: Rope | None, kv: KV | None = None, index: jax.Array | None = None,
         x0_BTC: jax.Array | None = None, values: ValueEmbeds | None = None, segment_ids: jax.Array | None = None,
+        window: jax.Array | None = None,
     ) -> tuple[jax.Array, KV | None]:
         """`x0_BTC`: the first block's input, mixed in under model.x0_mix; `values`: the value
-        embeddings (model.value_embeds); `segment_ids`: the attention's segments."""
+        embeddings (model.value_embeds); `segment_ids` and `window`: the attention's masks."""
         cfg, kernels = self.cfg, self.kernels
         B, T, _ = x_BTC.shape
         chex.assert_shape(x_BTC, (B, T, cfg.d_model))
@@ -317,11 +330,11 @@ class TransformerBlock(nn.Module):
         attention_norm = make_norm(cfg, kernels, "attention_norm")
         feed_forward_norm = make_norm(cfg, kernels, "feed_forward_norm")
         if cfg.residual == "pre":
-            attended, kv = attention(attention_norm(x_BTC), rope, kv, index, values, segment_ids)
+            attended, kv = attention(attention_norm(x_BTC), rope, kv, index, values, segment_ids, window)
             y_BTC = x_BTC + attended
             y_BTC = y_BTC + feed_forward(feed_forward_norm(y_BTC))
         else:
-            attended, kv = attention(x_BTC, rope, kv, index, values, segment_ids)
+            attended, kv = attention(x_BTC, rope, kv, index, values, segment_ids, window)
             y_BTC = attention_norm(x_BTC + attended)
             y_BTC = feed_forward_norm(y_BTC + feed_forward(y_BTC))
         y_BTC = y_BTC.astype(x_BTC.dtype)

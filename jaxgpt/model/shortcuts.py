@@ -1,5 +1,6 @@
 """Paths around the blocks: U-net skips (model.unet_skips) and value embeddings
-(model.value_embeds), laid out per layer so that a stack of unequal layers stays one scan.
+(model.value_embeds), and each block's attention window (model.window_pattern), laid out per
+layer so that a stack of unequal layers stays one scan.
 
 Each layer reads its share of a small per-layer table (`layer_table`, scanned beside the blocks'
 parameters): which skip it takes and with what weight, where it leaves its output for a later
@@ -64,7 +65,16 @@ def layer_table(cfg: ModelConfig, skip_weights: jax.Array | None) -> dict[str, j
     if cfg.value_embeds:
         tables, feeds = value_table_plan(cfg.n_layers, cfg.value_embeds)
         table.update(value_table=jnp.asarray(tables), value_on=jnp.asarray(feeds))
+    if cfg.attention_window:
+        table.update(window=jnp.asarray(window_plan(cfg)))
     return table
+
+
+def window_plan(cfg: ModelConfig) -> np.ndarray:
+    """Per layer: its attention window, model.window_pattern cycled over the blocks (S: the
+    window, L: 0, the whole context)."""
+    pattern = cfg.window_pattern * -(-cfg.n_layers // len(cfg.window_pattern))
+    return np.array([cfg.attention_window if letter == "S" else 0 for letter in pattern[:cfg.n_layers]], np.int32)
 
 
 def empty_skips(cfg: ModelConfig, x_BTC: jax.Array) -> jax.Array:
@@ -86,7 +96,7 @@ def layer_step(cfg: ModelConfig, kernels: Kernels) -> Callable[..., Any]:
         values = None
         if cfg.value_embeds:
             values = (shared.value_lookups, row["value_table"], row["value_on"])
-        x_BTC, kv = block(x_BTC, rope, kv, index, shared.x0_BTC, values, shared.segment_ids)
+        x_BTC, kv = block(x_BTC, rope, kv, index, shared.x0_BTC, values, shared.segment_ids, row.get("window"))
         if cfg.unet_skips:
             skips_SBTC = jax.lax.dynamic_update_index_in_dim(skips_SBTC, x_BTC, row["skip_to"], 0)
             return (x_BTC, skips_SBTC), kv

@@ -1,0 +1,89 @@
+"""Sliding-window attention (model.attention_window, model.window_pattern): what a query reads,
+the pattern over the blocks, cached decoding equal to the windowed forward pass."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import SPEEDRUN
+
+from jaxgpt.config import ConfigError, load_config
+from jaxgpt.kernels import PORTABLE, choose_kernels
+from jaxgpt.model.decoder import forward, forward_cached, init_cache, init_params
+from jaxgpt.model.shortcuts import window_plan
+
+TINY = ["model.vocab_size=64", "model.d_model=32", "model.n_heads=4", "model.context_length=32"]
+
+
+def model(*overrides):
+    cfg = load_config(None, [*TINY, *overrides]).model
+    params = init_params(cfg, jax.random.key(0))
+    return cfg, jax.tree_util.tree_map(lambda p: p + 0.05 * jax.random.normal(jax.random.key(2), p.shape), params)
+
+
+def moved(cfg, params, kernels=PORTABLE):
+    """[T]: whether each position's logits move when the first token changes."""
+    tokens = jax.random.randint(jax.random.key(1), (1, 24), 1, 64)
+    a = forward(params, cfg, tokens, kernels=kernels)
+    b = forward(params, cfg, tokens.at[0, 0].set(0), kernels=kernels)
+    return np.abs(np.asarray(a - b)).max(axis=(0, 2)) > 1e-6
+
+
+@pytest.mark.parametrize("position", ["learned", "rope"])
+def test_a_window_of_w_hides_every_key_w_or_more_positions_back(position):
+    cfg, params = model("model.n_layers=1", f"model.position={position}", "model.attention_window=4")
+    for kernels in (PORTABLE, choose_kernels(cfg)):
+        np.testing.assert_array_equal(moved(cfg, params, kernels), np.arange(24) < 4)
+    full = dataclasses.replace(cfg, attention_window=0)
+    assert moved(full, params).all()
+    # Two windowed layers reach twice as far back (less one); a whole-context layer reaches everything.
+    cfg, params = model("model.n_layers=2", f"model.position={position}", "model.attention_window=4")
+    np.testing.assert_array_equal(moved(cfg, params), np.arange(24) < 7)
+    assert moved(dataclasses.replace(cfg, window_pattern="SL"), params).all()
+
+
+def test_the_pattern_cycles_over_the_blocks_and_a_long_window_is_the_whole_context():
+    cfg = load_config(None, [*TINY, "model.n_layers=6", "model.attention_window=8", "model.window_pattern=SSL"]).model
+    np.testing.assert_array_equal(window_plan(cfg), [8, 8, 0, 8, 8, 0])
+    cfg, params = model("model.n_layers=2", "model.attention_window=32")
+    tokens = jax.random.randint(jax.random.key(1), (2, 24), 0, 64)
+    np.testing.assert_allclose(forward(params, cfg, tokens), forward(params, dataclasses.replace(cfg, attention_window=0),
+                                                                     tokens), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", ["rope", "speedrun"])
+def test_cached_decoding_equals_the_windowed_forward_pass(case):
+    overrides = SPEEDRUN if case == "speedrun" else ["model.position=rope", "model.n_layers=2"]
+    cfg, params = model(*[o for o in overrides if o.startswith("model.")], "model.attention_window=5",
+                        "model.window_pattern=SL")
+    tokens = jax.random.randint(jax.random.key(1), (2, 20), 0, 64)
+    want = forward(params, cfg, tokens)
+    cache = init_cache(cfg, 2, 24)
+    first, cache = forward_cached(params, cfg, tokens[:, :6], cache, fresh=True)  # a prefill, then one at a time
+    steps = [first]
+    for t in range(6, 20):
+        logits, cache = forward_cached(params, cfg, tokens[:, t:t + 1], cache)
+        steps.append(logits)
+    np.testing.assert_allclose(jnp.concatenate(steps, axis=1), want, rtol=0, atol=2e-5)
+    chunk, _ = forward_cached(params, cfg, tokens[:, 6:20], forward_cached(params, cfg, tokens[:, :6], init_cache(cfg, 2, 24),
+                                                                          fresh=True)[1])
+    np.testing.assert_allclose(chunk, want[:, 6:], rtol=0, atol=2e-5)  # several new tokens against the cache
+
+
+def test_bad_windows_are_one_line_errors():
+    with pytest.raises(ConfigError, match=r"model.attention_window = -1 must be >= 0"):
+        load_config(None, ["model.attention_window=-1"])
+    with pytest.raises(ConfigError, match=r"model.window_pattern = 'SXL' must be letters L"):
+        load_config(None, ["model.attention_window=8", "model.window_pattern=SXL"])
+
+
+def test_export_hf_refuses_a_windowed_model_in_one_line(tmp_path):
+    from jaxgpt.errors import UserError
+    from jaxgpt.hf.exporter import _check_exportable
+
+    cfg = load_config(None, ["model.attention_window=8"]).model
+    with pytest.raises(UserError, match=r"^cannot export to Hugging Face: model.attention_window = 8 \(Hugging Face"):
+        _check_exportable(cfg)
+    assert _check_exportable(dataclasses.replace(cfg, attention_window=0)) == "gpt2"
