@@ -43,13 +43,9 @@ def _einsum_f32(spec: str) -> Any:
 
 
 def f32_attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, *, train: bool = False,
-                  remat: bool = False, segment_ids: jax.Array | None = None,
-                  window: jax.Array | None = None) -> jax.Array:
+                  remat: bool = False) -> jax.Array:
     """Query blocks (`causal_query_blocks`), or flash-style tiles under remat and for a train
-    step's long contexts, where they bound what the backward pass holds. With `segment_ids` or a
-    `window`, XLA's attention: the blocks know only the causal mask."""
-    if segment_ids is not None or window is not None:
-        return xla.attention(q_BTHD, k_BTKD, v_BTKD, segment_ids=segment_ids, window=window)
+    step's long contexts, where they bound what the backward pass holds."""
     B, T, H, _ = q_BTHD.shape
     tiled = remat or (train and T >= TILED_TRAIN_CONTEXT)
     return blocked_causal_attention(q_BTHD, k_BTKD, v_BTKD, tile=REMAT_TILE if tiled else None,
@@ -57,13 +53,9 @@ def f32_attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, *, tr
 
 
 def bf16_attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, *, train: bool = False,
-                   remat: bool = False, segment_ids: jax.Array | None = None,
-                  window: jax.Array | None = None) -> jax.Array:
+                   remat: bool = False) -> jax.Array:
     """`bf16_causal_attention`, whose backward holds only q, k and v and one block's scores at a
-    time; under remat from `TILED_TRAIN_CONTEXT` positions on, the float32 tiles. With
-    `segment_ids` or a `window`, XLA's attention (`f32_attention`)."""
-    if segment_ids is not None or window is not None:
-        return xla.attention(q_BTHD, k_BTKD, v_BTKD, segment_ids=segment_ids, window=window)
+    time; under remat from `TILED_TRAIN_CONTEXT` positions on, the float32 tiles."""
     T = q_BTHD.shape[1]
     if remat and T >= TILED_TRAIN_CONTEXT:
         return f32_attention(q_BTHD, k_BTKD, v_BTKD, train=train, remat=remat)
@@ -162,13 +154,14 @@ SCAN_REMAT_POLICY = _policies.save_from_both_policies(
 DOTS_REMAT_POLICY = _policies.save_from_both_policies(
     _policies.dots_with_no_batch_dims_saveable, _policies.save_only_these_names(*BF16_MATMUL_SAVED))
 
+# The blocked kernels know only the causal mask: packed rows and windows take XLA's masked attention.
 F32 = Kernels(
-    name="cpu", dot_general=flat_dot_general, attention=f32_attention, tied_logits=f32_tied_logits,
+    name="cpu", dot_general=flat_dot_general, attention=xla.masks_by_xla(f32_attention), tied_logits=f32_tied_logits,
     untied_logits=f32_untied_logits, gelu=gelu_tanh, scan_remat_policy=SCAN_REMAT_POLICY,
     dots_remat_policy=DOTS_REMAT_POLICY, recompute_elementwise=False,
     float32_activations=True,
 )
 BF16 = dataclasses.replace(
-    F32, name="cpu-bf16", dot_general=cpu_bf16_dot_general, attention=bf16_attention,
+    F32, name="cpu-bf16", dot_general=cpu_bf16_dot_general, attention=xla.masks_by_xla(bf16_attention),
     tied_logits=bf16_tied_logits, untied_logits=bf16_untied_logits,
 )

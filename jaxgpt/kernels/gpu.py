@@ -24,14 +24,10 @@ from jaxgpt.kernels.base import per_device
 from jaxgpt.kernels.head_loss import mean_head_loss
 
 
-def attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, *, train: bool = False,
-              remat: bool = False, segment_ids: jax.Array | None = None, window: jax.Array | None = None,
-              mesh: Any = None, axes: tuple[str, ...] | None = None) -> jax.Array:
+def causal_attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, *, train: bool = False,
+                     remat: bool = False, mesh: Any = None, axes: tuple[str, ...] | None = None) -> jax.Array:
     """cuDNN's attention in 16-bit dtypes (with `mesh`, run per device on its rows: cuDNN's own
-    partitioner fails under FSDP), XLA's in float32 and with `segment_ids` or a `window`."""
-    if segment_ids is not None or window is not None:
-        _portable_for_masks()
-        return xla.attention(q_BTHD, k_BTKD, v_BTKD, segment_ids=segment_ids, window=window)
+    partitioner fails under FSDP), XLA's in float32."""
     if q_BTHD.dtype not in (jnp.bfloat16, jnp.float16):  # cuDNN's flash kernel has no float32
         return xla.attention(q_BTHD, k_BTKD, v_BTKD)
     attend = functools.partial(jax.nn.dot_product_attention, is_causal=True, implementation="cudnn")
@@ -43,6 +39,10 @@ def _portable_for_masks() -> None:
     """One warning line a process: jaxgpt hands cuDNN's kernel no segment or window mask yet."""
     logging.getLogger("jaxgpt.kernels").warning(
         "jaxgpt: packed rows (segment_ids) and attention windows run XLA's attention on the GPU, not cuDNN's")
+
+
+# `causal_attention`, with packed rows and windows on XLA's masked attention.
+attention = xla.masks_by_xla(causal_attention, _portable_for_masks)
 
 
 # A train step runs the block stack unrolled (no loop; the params keep their stacked layout): a

@@ -9,7 +9,7 @@ other kernel set is tested equal to this one (tests/test_kernels.py).
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +27,20 @@ def attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, *, train:
         mask = in_window(q_BTHD.shape[1], window) if mask is None else mask & in_window(q_BTHD.shape[1], window)
     masks = {} if mask is None else {"mask": mask}
     return jax.nn.dot_product_attention(q_BTHD, k_BTKD, v_BTKD, is_causal=True, **masks)
+
+
+def masks_by_xla(attend: Callable[..., Any], on_mask: Callable[[], None] | None = None) -> Callable[..., Any]:
+    """A causal-only kernel `attend` whose masked calls (`segment_ids`, a `window`) run `attention`
+    above instead, after `on_mask()` (a warning, say); its unmasked calls are its own."""
+    @functools.wraps(attend)
+    def masked(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, *, segment_ids: jax.Array | None = None,
+               window: jax.Array | None = None, **options: Any) -> jax.Array:
+        if segment_ids is None and window is None:
+            return attend(q_BTHD, k_BTKD, v_BTKD, **options)
+        if on_mask is not None:
+            on_mask()
+        return attention(q_BTHD, k_BTKD, v_BTKD, segment_ids=segment_ids, window=window)
+    return masked
 
 
 def in_window(T: int, window: jax.Array, offset: jax.Array | int = 0, keys: int | None = None) -> jax.Array:
