@@ -69,6 +69,12 @@ def recomputed(fn: Any, recompute: bool = True, prevent_cse: bool = True) -> Any
     return jax.checkpoint(fn, prevent_cse=prevent_cse) if recompute else fn
 
 
+def recomputed_as_kernels_ask(cfg: ModelConfig, kernels: Kernels, fn: Any, when: bool = True) -> Any:
+    """`recomputed(fn)` where the kernels recompute elementwise work (and `when`), kept apart from
+    the forward pass wherever no loop does (`in_a_loop`)."""
+    return recomputed(fn, when and kernels.recompute_elementwise, not in_a_loop(cfg, kernels))
+
+
 def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> jax.Array:
     """GPT-2's LayerNorm in float32: biased variance over the last axis, gain and bias."""
     x32 = x.astype(jnp.float32)
@@ -200,8 +206,7 @@ class CausalSelfAttention(nn.Module):
             v_BTKD = mixed(self.kernels, cfg, v_BTKD, ve_BTKD, mix[0], mix[1] * table_on)
         # QK-norm is not linear: recomputed, its backward keeps the 16-bit q and k, not its
         # float32 copies (GPT-2 124M at batch 32 on h100-1: 16.6 GB of temporaries, else 11.7).
-        prepare = recomputed(functools.partial(prepare_qk, cfg), self.kernels.recompute_elementwise and cfg.qk_norm,
-                             not in_a_loop(cfg, self.kernels))
+        prepare = recomputed_as_kernels_ask(cfg, self.kernels, functools.partial(prepare_qk, cfg), when=cfg.qk_norm)
         q_BTHD, k_BTKD = prepare(q_BTHD, k_BTKD, rope)
 
         if kv is None:
@@ -276,7 +281,7 @@ def mixed(kernels: Kernels, cfg: ModelConfig, x_BTC: jax.Array, y_BTC: jax.Array
     """a·x + b·y in x's dtype: the learned sums of the x0 mix, a U-net skip and a value embedding. Recomputed, its
     backward keeps x and y as they are, not the float32 copies the scalars' products make."""
     fn = lambda x, y, a, b: (a * x + b * y).astype(x.dtype)
-    return recomputed(fn, kernels.recompute_elementwise, not in_a_loop(cfg, kernels))(x_BTC, y_BTC, a, b)
+    return recomputed_as_kernels_ask(cfg, kernels, fn)(x_BTC, y_BTC, a, b)
 
 
 class FeedForward(nn.Module):
@@ -292,13 +297,11 @@ class FeedForward(nn.Module):
         up_BTF = dense(cfg, self.kernels, cfg.hidden_size, "up")(x_BTC)
         if cfg.feed_forward == "swiglu":
             gate_BTF = dense(cfg, self.kernels, cfg.hidden_size, "gate")(x_BTC)
-            h_BTF = recomputed(lambda gate, up: nn.silu(gate) * up, self.kernels.recompute_elementwise,
-                               not in_a_loop(cfg, self.kernels))(gate_BTF, up_BTF)
+            h_BTF = recomputed_as_kernels_ask(cfg, self.kernels, lambda gate, up: nn.silu(gate) * up)(gate_BTF, up_BTF)
         elif cfg.feed_forward == "relu2":
-            h_BTF = recomputed(lambda up: jnp.square(nn.relu(up)), self.kernels.recompute_elementwise,
-                               not in_a_loop(cfg, self.kernels))(up_BTF)
+            h_BTF = recomputed_as_kernels_ask(cfg, self.kernels, lambda up: jnp.square(nn.relu(up)))(up_BTF)
         else:
-            h_BTF = recomputed(self.kernels.gelu, self.kernels.recompute_elementwise, not in_a_loop(cfg, self.kernels))(up_BTF)
+            h_BTF = recomputed_as_kernels_ask(cfg, self.kernels, self.kernels.gelu)(up_BTF)
         out = dense(cfg, self.kernels, cfg.d_model, "down", output=True)(h_BTF)
         return nn.Dropout(cfg.dropout)(out, deterministic=self.deterministic)
 
