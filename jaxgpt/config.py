@@ -54,6 +54,7 @@ ROLES = (IDENTITY, RESUME, FORCE, INIT_FROM, SWEEP)
 
 REMAT_POLICIES = ("none", "dots", "full")
 PARALLEL_MODES = ("auto", "single", "sharded", "pmap")
+ALIGNMENTS = ("none", "document")
 
 
 def entry(default: Any, *roles: str, bool_names: tuple[str, str] | None = None) -> Any:
@@ -213,6 +214,10 @@ class DataConfig:
     text_field: str = entry("text", IDENTITY, FORCE, INIT_FROM)  # the field (JSONL) or column (Parquet, hf:) that holds a document
     tokenizer_sample_bytes: int = entry(64_000_000, IDENTITY, FORCE, INIT_FROM)  # BPE learns from at most this much train text
     shard_tokens: int = entry(100_000_000, IDENTITY, FORCE, INIT_FROM)  # tokens per shard of the token store (llm.c's size)
+    # Packed rows: a token attends only within its document, its position counted from the
+    # document's start; the end-of-text token opens the document after it (docs/data.md).
+    document_mask: bool = entry(False, IDENTITY, FORCE, INIT_FROM)
+    align: str = entry("none", IDENTITY, FORCE, INIT_FROM)  # "document": every train row starts at a document's start
 
     def __post_init__(self) -> None:
         _finite("data", self)
@@ -223,6 +228,7 @@ class DataConfig:
         if not self.text_field:
             raise ConfigError("data.text_field is empty")
         _positive("data", self, "tokenizer_sample_bytes", "shard_tokens")
+        _choice("data", "align", self.align, ALIGNMENTS)
 
 
 GROUP_LRS = ("lr_embed", "lr_head", "lr_scalar")
@@ -244,6 +250,7 @@ class TrainConfig:
     lr_head: float | None = entry(None, IDENTITY, FORCE, INIT_FROM, SWEEP)
     lr_scalar: float | None = entry(None, IDENTITY, FORCE, INIT_FROM, SWEEP)
     warmup_steps: int = entry(100, IDENTITY, FORCE, INIT_FROM, SWEEP)
+    window_warmup_steps: int = entry(0, IDENTITY, FORCE, INIT_FROM)  # model.attention_window grows to its size over these steps (jaxgpt/train/window_warmup.py)
     weight_decay: float = entry(0.1, IDENTITY, FORCE, INIT_FROM, SWEEP)
     beta1: float = entry(0.9, IDENTITY, FORCE, INIT_FROM, SWEEP)
     beta2: float = entry(0.99, IDENTITY, FORCE, INIT_FROM, SWEEP)
@@ -276,7 +283,7 @@ class TrainConfig:
         _positive(s, self, "steps", "batch_size", "grad_accum", "lr", "muon_lr", "log_every", "eval_every")
         _positive(s, self, "eval_batches", "checkpoint_every", "keep_checkpoints", "fsdp", "adam_eps")
         _positive(s, self, "min_lr", "warmup_steps", "weight_decay", "clip_norm", "sample_tokens",
-                  "seed", "mtp_weight", allow_zero=True)
+                  "seed", "mtp_weight", "window_warmup_steps", allow_zero=True)
         _choice(s, "parallel", self.parallel, PARALLEL_MODES)
         _choice(s, "optimizer", self.optimizer, ("adamw", "muon"))
         for name in GROUP_LRS:
@@ -312,6 +319,9 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
 
     def __post_init__(self) -> None:
+        if self.train.window_warmup_steps and not self.model.attention_window:
+            raise ConfigError(f"train.window_warmup_steps = {self.train.window_warmup_steps} with "
+                              "model.attention_window = 0: there is no window to grow")
         if self.model.tie_embeddings and self.train.lr_head is not None:
             raise ConfigError(f"train.lr_head = {self.train.lr_head!r} with model.tie_embeddings = true: the head is "
                               "the embedding, which takes train.lr_embed")

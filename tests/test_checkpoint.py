@@ -85,8 +85,8 @@ def stop_at(step: int, monkeypatch):
     """Send this process SIGTERM once the loop has dispatched `step` steps, as a scheduler would."""
     real_step = Runtime.train_step
 
-    def step_then_signal(self, state, batch):
-        state, metrics = real_step(self, state, batch)
+    def step_then_signal(self, state, batch, at=None):
+        state, metrics = real_step(self, state, batch, at)
         if int(self.to_saved(state).step) == step:
             os.kill(os.getpid(), signal.SIGTERM)
         return state, metrics
@@ -116,9 +116,14 @@ def test_stop_then_resume_is_bitwise_identical(reference, corpus, tmp_path, monk
 
 
 def test_the_speedrun_block_stops_and_resumes_bitwise(corpus, tmp_path, monkeypatch):
-    """Every switch of the speedrun block, Muon and the group learning rates: the skip weights,
-    value tables and mixes, Muon's momentum and the MTP head are saved and restored exactly."""
-    cfg = config(corpus, *SPEEDRUN, "train.steps=8")
+    """Every switch of the speedrun block, Muon and the group learning rates, on document-masked
+    rows aligned to documents, a long-short window warming up: the skip weights, value tables and
+    mixes, Muon's momentum and the MTP head are saved and restored exactly, and the aligned
+    batches and the warm-up's stage (step 6 of 12: 3/4 of the window) follow the step."""
+    documents = tmp_path / "documents.jsonl"
+    documents.write_text("".join(json.dumps({"text": line}) + "\n" for line in corpus.read_text().splitlines()))
+    cfg = config(documents, *SPEEDRUN, "train.steps=8", "data.document_mask=true", "data.align=document",
+                 "model.attention_window=8", "model.window_pattern=SSL", "train.window_warmup_steps=12")
     train_module.train(cfg, tmp_path / "reference", progress=False)
     run = tmp_path / "run"
     with monkeypatch.context() as patch:

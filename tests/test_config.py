@@ -86,11 +86,12 @@ def test_every_key_declares_its_roles_once_and_the_rules_read_them():
         other = {bool: lambda v: not v, int: lambda v: 2 * v if v else 1, float: lambda v: v / 2 if v else 0.25}.get(
             type(value), lambda v: {"kernels": "xla", "remat": "dots", "parallel": "pmap", "optimizer": "muon",
                                     "position": "rope", "norm": "rmsnorm", "residual": "post",
-                                    "feed_forward": "swiglu", "dtype": "bfloat16", "window_pattern": "SL"}.get(name, "other"))(value)
+                                    "feed_forward": "swiglu", "dtype": "bfloat16", "window_pattern": "SL",
+                                    "align": "document"}.get(name, "other"))(value)
         if value is None:  # a key that follows another (the group peaks follow train.lr)
             other = 1e-3
         if name in ("kv_heads", "hidden_size", "eval_tasks_every", "ffn_match_params", "eval_tasks", "lr_head",
-                    "rope_truncated"):
+                    "rope_truncated", "window_warmup_steps"):
             continue  # derived or validated against others: covered by their neighbours
         changed = load_config(None, [f"{dotted}={json.dumps(other)}"])
         assert (changed.fingerprint() != base.fingerprint()) == (IDENTITY in roles_of(dotted)), dotted

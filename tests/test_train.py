@@ -98,8 +98,8 @@ def test_nan_guard_stops_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatc
 
     real_step = Runtime.train_step
 
-    def train_then_poison(self, state, batch):
-        state, metrics = real_step(self, state, batch)
+    def train_then_poison(self, state, batch, step=None):
+        state, metrics = real_step(self, state, batch, step)
         return state, {**metrics, "loss": jnp.where(self.to_saved(state).step >= 7, jnp.nan, metrics["loss"])}
 
     monkeypatch.setattr(Runtime, "train_step", train_then_poison)

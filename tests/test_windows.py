@@ -13,6 +13,9 @@ from jaxgpt.config import ConfigError, load_config
 from jaxgpt.kernels import PORTABLE, choose_kernels
 from jaxgpt.model.decoder import forward, forward_cached, init_cache, init_params
 from jaxgpt.model.shortcuts import window_plan
+from jaxgpt.train.runtime import make_runtime
+from jaxgpt.train.step import compile_steps
+from jaxgpt.train.window_warmup import window_at
 
 TINY = ["model.vocab_size=64", "model.d_model=32", "model.n_heads=4", "model.context_length=32"]
 
@@ -77,6 +80,32 @@ def test_bad_windows_are_one_line_errors():
         load_config(None, ["model.attention_window=-1"])
     with pytest.raises(ConfigError, match=r"model.window_pattern = 'SXL' must be letters L"):
         load_config(None, ["model.attention_window=8", "model.window_pattern=SXL"])
+    with pytest.raises(ConfigError, match=r"train.window_warmup_steps = 10 with model.attention_window = 0: there"):
+        load_config(None, ["train.window_warmup_steps=10"])
+    with pytest.raises(ConfigError, match=r"train.window_warmup_steps = -1 must be >= 0"):
+        load_config(None, ["model.attention_window=8", "train.window_warmup_steps=-1"])
+
+
+def test_the_window_warms_up_in_four_stages_of_their_own_programs():
+    """The window grows W/4, W/2, 3W/4, W over the warm-up steps; the runtime runs each stage's
+    own program (three beside the full window's), then the full one."""
+    cfg = load_config(None, [*TINY, "model.n_layers=1", "model.attention_window=8", "train.window_warmup_steps=8",
+                             "train.batch_size=8"])
+    assert [window_at(cfg, s) for s in range(10)] == [2, 2, 4, 4, 6, 6, 8, 8, 8, 8]
+    big = cfg.replace("model", attention_window=128).replace("train", window_warmup_steps=100)
+    assert [window_at(big, s) for s in (0, 24, 25, 50, 75, 99, 100)] == [32, 32, 64, 96, 128, 128, 128]
+    runtime = make_runtime(cfg)
+    state = runtime.init_state()
+    batch = np.asarray(jax.random.randint(jax.random.key(3), (8, 33), 0, 64), np.int32)
+    losses = {}
+    for step in (0, 2, 4, 6, 9):
+        _, metrics = runtime.train_step(state, batch, step)  # the state is donated: each call from a fresh one
+        state = runtime.init_state()
+        losses[window_at(cfg, step)] = float(metrics["loss"])
+    assert len(runtime._steps.stages) == 3 and len(set(losses.values())) == 4
+    for window, loss in losses.items():
+        staged = cfg.replace("model", attention_window=window)
+        np.testing.assert_allclose(loss, float(compile_steps(staged)[1](state.params, batch)), rtol=1e-6)
 
 
 def test_export_hf_refuses_a_windowed_model_in_one_line(tmp_path):

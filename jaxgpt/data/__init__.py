@@ -21,8 +21,8 @@ import importlib
 from typing import Any
 
 _HOMES = {  # name -> the module that defines it
-    **dict.fromkeys(("TRAIN_STREAM", "VAL_STREAM", "RunData", "eval_summary", "evaluate", "get_batch", "train_batch",
-                     "val_batch", "window_length"), "jaxgpt.data.batches"),
+    **dict.fromkeys(("TRAIN_STREAM", "VAL_STREAM", "RunData", "batch_width", "eval_summary", "evaluate", "get_batch",
+                     "train_batch", "val_batch", "window_length"), "jaxgpt.data.batches"),
     "prepare_data": "jaxgpt.data.pipeline",
     **dict.fromkeys(("Document", "in_val_split"), "jaxgpt.data.documents"),
     **dict.fromkeys(("open_source", "stdlib_paths", "stdlib_root"), "jaxgpt.data.sources"),

@@ -1,8 +1,10 @@
 """Deterministic batches over a run's token splits, and their evaluation.
 
-A batch is a pure function of (seed, stream, step): offsets drawn uniformly over the split, so
-resuming needs only the step, and each process reads only its rows of the global batch. A window
-may run across a document's end (the end-of-text token marks it) and from one shard into the next.
+A batch is a pure function of (seed, stream, step): offsets drawn uniformly over the split (with
+data.align = "document", over its document starts), so resuming needs only the step, and each
+process reads only its rows of the global batch. A window may run across a document's end (the
+end-of-text token marks it) and from one shard into the next. With data.document_mask each row
+carries its segment ids after its tokens (`batch_width`): the end-of-text token opens a segment.
 """
 
 from __future__ import annotations
@@ -39,12 +41,14 @@ def get_batch(
     process_index: int = 0,
     process_count: int = 1,
     split: str = "train",
+    starts: np.ndarray | None = None,
 ) -> np.ndarray:
     """This process's rows, int32 [batch_size // process_count, window], of the global batch.
 
-    Offsets are uniform in [0, len(tokens) - window] and depend only on (seed, stream, step), so the
-    global batch is the same whatever the process count and resuming needs only the step. `split`
-    only names the tokens in errors.
+    Offsets are uniform in [0, len(tokens) - window] (or, given `starts`, drawn uniformly from those
+    of them that leave a whole window) and depend only on (seed, stream, step), so the global batch
+    is the same whatever the process count and resuming needs only the step. `split` only names the
+    tokens in errors.
     """
     if len(tokens) < window:
         raise UserError(f"the {split} split has {len(tokens)} tokens, fewer than one window of {window}")
@@ -55,7 +59,13 @@ def get_batch(
     if min(seed, stream, step) < 0:
         raise UserError(f"seed, stream and step must be >= 0, got {seed}, {stream}, {step}")
     rng = np.random.default_rng([seed, stream, step])
-    offsets = rng.integers(0, len(tokens) - window, size=batch_size, endpoint=True)
+    if starts is None:
+        offsets = rng.integers(0, len(tokens) - window, size=batch_size, endpoint=True)
+    else:
+        starts = starts[starts <= len(tokens) - window]
+        if not len(starts):
+            raise UserError(f"no document of the {split} split starts a whole window of {window} tokens before its end")
+        offsets = starts[rng.integers(0, len(starts), size=batch_size)]
     per_process = batch_size // process_count
     mine = offsets[process_index * per_process:(process_index + 1) * per_process]
     if isinstance(tokens, Tokens):
@@ -66,6 +76,38 @@ def get_batch(
 def window_length(model: ModelConfig) -> int:
     """Tokens per batch row: the context, the next token, and one more per MTP depth."""
     return model.context_length + 1 + model.mtp_depth
+
+
+def batch_width(cfg: RunConfig) -> int:
+    """Entries per batch row: its tokens (`window_length`), then with data.document_mask the
+    segment id of each of the context's tokens."""
+    return window_length(cfg.model) + (cfg.model.context_length if cfg.data.document_mask else 0)
+
+
+def with_segments(rows: np.ndarray, context_length: int, eot_id: int) -> np.ndarray:
+    """`rows` [B, W] with each input token's segment id after them [B, W + T]: the count of
+    end-of-text tokens up to and including it, so the end-of-text token opens the document after
+    it (its input predicts that document's first token from nothing before it)."""
+    segments = np.cumsum(rows[:, :context_length] == eot_id, axis=1, dtype=np.int32)
+    return np.concatenate([rows, segments], axis=1)
+
+
+def document_starts(tokens: np.ndarray | Tokens, eot_id: int) -> np.ndarray:
+    """int64 offsets of the split's documents: 0 and every end-of-text token (it opens the next
+    one), read shard by shard once and kept with the split."""
+    kept = tokens.document_starts if isinstance(tokens, Tokens) else None
+    if kept is not None and kept[0] == eot_id:
+        return kept[1]
+    shards = tokens.shards if isinstance(tokens, Tokens) else [np.asarray(tokens)]
+    found, offset = [np.zeros(1, np.int64)], 0
+    for shard in shards:
+        for chunk in range(0, len(shard), 1 << 26):
+            found.append(np.flatnonzero(np.asarray(shard[chunk:chunk + (1 << 26)]) == eot_id) + offset + chunk)
+        offset += len(shard)
+    starts = np.unique(np.concatenate(found))
+    if isinstance(tokens, Tokens):
+        tokens.document_starts = (eot_id, starts)
+    return starts
 
 
 def _checked(batch: np.ndarray, vocab_size: int, split: str) -> np.ndarray:
@@ -79,17 +121,34 @@ def _checked(batch: np.ndarray, vocab_size: int, split: str) -> np.ndarray:
 def train_batch(cfg: RunConfig, data: RunData, step: int, seed: int, *, whole: bool = False) -> np.ndarray:
     """This process's rows of the train batch of `step` for a run with train.seed = `seed` (with
     `whole`, every row: a sweep's processes hold whole members, not row blocks of each)."""
-    batch = get_batch(data.tokens.train, seed=seed, step=step, stream=TRAIN_STREAM,
+    starts = None
+    if cfg.data.align == "document":
+        starts = document_starts(data.tokens.train, document_token(data.tokenizer))
+    batch = get_batch(data.tokens.train, seed=seed, step=step, stream=TRAIN_STREAM, starts=starts,
                       batch_size=cfg.train.batch_size, window=window_length(cfg.model), **_process_slice(whole))
-    return _checked(batch, cfg.model.vocab_size, "train")
+    return _with_documents(cfg, data, _checked(batch, cfg.model.vocab_size, "train"))
 
 
 def val_batch(cfg: RunConfig, data: RunData, index: int, seed: int, *, whole: bool = False) -> np.ndarray:
     """This process's rows of val batch `index` (the same batches at every eval); `whole`: as in
-    `train_batch`."""
+    `train_batch`. Val rows are never aligned: every run of a seed scores the same val tokens."""
     batch = get_batch(data.tokens.val, seed=seed, step=index, stream=VAL_STREAM, batch_size=cfg.train.batch_size,
                       window=window_length(cfg.model), split="val", **_process_slice(whole))
-    return _checked(batch, cfg.model.vocab_size, "val")
+    return _with_documents(cfg, data, _checked(batch, cfg.model.vocab_size, "val"))
+
+
+def document_token(tokenizer: Tokenizer) -> int:
+    """The id that opens a document: the tokenizer's end-of-text token."""
+    if tokenizer.eot_id is None:
+        raise UserError("data.document_mask and data.align = \"document\" find documents by the end-of-text "
+                        "token, and the tokenizer has none")
+    return tokenizer.eot_id
+
+
+def _with_documents(cfg: RunConfig, data: RunData, batch: np.ndarray) -> np.ndarray:
+    if not cfg.data.document_mask:
+        return batch
+    return with_segments(batch, cfg.model.context_length, document_token(data.tokenizer))
 
 
 def _process_slice(whole: bool = False) -> dict[str, int]:

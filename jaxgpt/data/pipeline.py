@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from jaxgpt.config import RunConfig
-from jaxgpt.data.batches import RunData, window_length
+from jaxgpt.data.batches import RunData, document_token, window_length
 from jaxgpt.data.documents import Source, listing_changes
 from jaxgpt.data.prepare import Plan, build_store, is_large
 from jaxgpt.data.preparer import prepared_once
@@ -49,7 +49,7 @@ def prepare_data(cfg: RunConfig, run_dir: str | Path | None = None, *, workers: 
             raise UserError(f"data.source {data.source} holds token ids: name their tokenizer with "
                              "--set data.tokenizer=PATH (a tokenizer.json)")
         tokenizer = own or Tokenizer.load(data.tokenizer)
-        _check_vocab(tokenizer, cfg)
+        _check_tokenizer(tokenizer, cfg)
         tokens = foreign_store(folder, tokenizer, cache)
     else:
         source = open_source(data.source, data.val_fraction, data.text_field)
@@ -62,10 +62,13 @@ def prepare_data(cfg: RunConfig, run_dir: str | Path | None = None, *, workers: 
     return RunData(tokenizer, tokens)
 
 
-def _check_vocab(tokenizer: Tokenizer, cfg: RunConfig) -> None:
+def _check_tokenizer(tokenizer: Tokenizer, cfg: RunConfig) -> None:
+    """Refuse a tokenizer the run cannot use before its store is prepared."""
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise UserError(f"the tokenizer has {tokenizer.vocab_size} tokens, more than "
                          f"model.vocab_size = {cfg.model.vocab_size}")
+    if cfg.data.document_mask or cfg.data.align == "document":
+        document_token(tokenizer)
 
 
 def _prepared(cfg: RunConfig, source: Source, own: Tokenizer | None, cache: Path, workers: int | None,
@@ -76,7 +79,7 @@ def _prepared(cfg: RunConfig, source: Source, own: Tokenizer | None, cache: Path
     _note_a_changed_source(source, listing, cache)
     large = is_large(source)
     tokenizer = own or source_tokenizer(data, source, cfg.model.vocab_size, digest, cache, announce=progress and large)
-    _check_vocab(tokenizer, cfg)
+    _check_tokenizer(tokenizer, cfg)
     if tokenizer.eot_id is None:
         print("note: the tokenizer has no end-of-text token; documents follow each other with nothing "
               "between them", file=sys.stderr)

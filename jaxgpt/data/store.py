@@ -59,6 +59,7 @@ class Tokens:
         self.shards = [s for s in shards if len(s)] or [np.zeros(0, np.uint16)]
         self.starts = np.cumsum([0] + [len(s) for s in self.shards])
         self.dtype = self.shards[0].dtype
+        self.document_starts: tuple[int, np.ndarray] | None = None  # (end-of-text id, offsets): batches.document_starts
 
     def __len__(self) -> int:
         return int(self.starts[-1])

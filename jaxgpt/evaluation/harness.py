@@ -74,13 +74,16 @@ class HarnessLM(TemplateLM):
     """The harness's model interface on a jaxgpt decoder (see the module docstring)."""
 
     def __init__(self, cfg: ModelConfig, params: Params, tokenizer: Tokenizer, *,
-                 batch_size: int = DEFAULT_BATCH_SIZE, progress: bool = True, step: int | None = None) -> None:
+                 batch_size: int = DEFAULT_BATCH_SIZE, progress: bool = True, step: int | None = None,
+                 documents: bool = False) -> None:
         super().__init__()
         check_tokenizer(tokenizer)
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise UserError(f"batch size must be an integer >= 1, got {batch_size!r}")
         self.cfg, self.params, self.text_tokenizer = cfg, _on_one_device(params), tokenizer
         self.batch_size, self.progress, self.step = batch_size, progress, step
+        # A model trained with data.document_mask reads each document alone, the end-of-text token opening it.
+        self.document_token = tokenizer.eot_id if documents else None
         self.generation_widths = coarse_widths(cfg.context_length)  # decoding, not the prefill, takes the time
         self.vocab_limit = min(tokenizer.vocab_size, cfg.vocab_size)
         self._seed = 0
@@ -114,7 +117,7 @@ class HarnessLM(TemplateLM):
     def _score(self, pairs: list[tuple[list[int], list[int]]], disable_tqdm: bool) -> list[tuple[float, bool]]:
         bar = functools.partial(tqdm, desc="scoring", unit="batch", disable=disable_tqdm or not self.progress)
         return score_pairs(self.params, self.cfg, pairs, batch_size=self.batch_size, vocab_limit=self.vocab_limit,
-                           progress=bar)
+                           progress=bar, document_token=self.document_token)
 
     def loglikelihood(self, requests: list[Any], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
         """The harness's own (it encodes each pair), with the texts it will encode encoded first in

@@ -16,6 +16,10 @@ most 1.5x); a shared context to the same widths and its continuations to one of 
 (`CONTINUATION_WIDTHS`). Padded positions are never scored and causal attention never looks
 right, so padding changes no number; a last partial batch is filled with empty rows. The
 compiles are one per row width and one per (context, continuation) width pair used.
+
+A model trained with data.document_mask scores with `document_token` (the end-of-text id): a
+row's tokens attend within their documents, the token opening one, as in training; a pair whose
+row holds it past its first position is scored as a whole row, never against a shared cache.
 """
 
 from __future__ import annotations
@@ -76,10 +80,11 @@ def _sums(logits_BWV: jax.Array, targets_BW: jax.Array, scored_BW: jax.Array, vo
     return jnp.where(scored_BW, logp_BW, 0.0).sum(axis=-1), (greedy_BW | ~scored_BW).all(axis=-1)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "vocab_limit"))
+@functools.partial(jax.jit, static_argnames=("cfg", "vocab_limit", "document_token"))
 def _score_rows(params: Params, tokens_BW: jax.Array, targets_BW: jax.Array, scored_BW: jax.Array, *,
-                cfg: ModelConfig, vocab_limit: int) -> tuple[jax.Array, jax.Array]:
-    logits_BWV = forward(params, cfg, tokens_BW, kernels=choose_kernels(cfg))
+                cfg: ModelConfig, vocab_limit: int, document_token: int | None = None) -> tuple[jax.Array, jax.Array]:
+    segment_ids = None if document_token is None else jnp.cumsum(tokens_BW == document_token, axis=1)
+    logits_BWV = forward(params, cfg, tokens_BW, kernels=choose_kernels(cfg), segment_ids=segment_ids)
     return _sums(logits_BWV, targets_BW, scored_BW, vocab_limit)
 
 
@@ -100,6 +105,14 @@ def _score_shared(params: Params, prefix_PW: jax.Array, prefix_length_P: jax.Arr
     return _sums(logits_BXV, targets_BX, scored_BX, vocab_limit)
 
 
+def _opens_a_document(context: Sequence[int], continuation: Sequence[int], document_token: int | None) -> bool:
+    """Whether the pair's row (its input tokens) opens a document past its first position."""
+    if document_token is None:
+        return False
+    inputs = [*context, *continuation][1:-1]
+    return document_token in inputs
+
+
 def batches_by_width(lengths: Sequence[int], widths: Sequence[int], batch_size: int) -> Iterator[tuple[int, list[int]]]:
     """(width, indices) batches: longest first, each index in the narrowest width that holds its length."""
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
@@ -112,8 +125,10 @@ def batches_by_width(lengths: Sequence[int], widths: Sequence[int], batch_size: 
 class _Batches:
     """The batches of one call, built on the host and sent to the device as they are made."""
 
-    def __init__(self, params: Params, cfg: ModelConfig, batch_size: int, vocab_limit: int) -> None:
+    def __init__(self, params: Params, cfg: ModelConfig, batch_size: int, vocab_limit: int,
+                 document_token: int | None) -> None:
         self.params, self.cfg, self.B, self.vocab_limit = params, cfg, batch_size, vocab_limit
+        self.document_token = document_token
         S = cfg.context_length
         self.widths, self.prefix_widths, self.continuation_widths = score_widths(S), coarse_widths(S), \
             continuation_widths(S)
@@ -131,7 +146,8 @@ class _Batches:
                 tokens[r, :L], targets[r, :L] = whole[:-1], whole[1:]
                 scored[r, L - n: L] = True
             self.sent.append(([indices[j] for j in batch], self.window.add(_score_rows(
-                self.params, tokens, targets, scored, cfg=self.cfg, vocab_limit=self.vocab_limit))))
+                self.params, tokens, targets, scored, cfg=self.cfg, vocab_limit=self.vocab_limit,
+                document_token=self.document_token))))
 
     def shared(self, pairs: Sequence[Pair], groups: list[list[int]]) -> None:
         """Groups of pair indices with one context each, at most `batch_size` per group. All
@@ -170,10 +186,11 @@ class _Batches:
 
 def score_pairs(params: Params, cfg: ModelConfig, pairs: Sequence[Pair], *, batch_size: int,
                 vocab_limit: int | None = None, progress: Callable[[list], Iterator] | None = None,
-                ) -> list[tuple[float, bool]]:
+                document_token: int | None = None) -> list[tuple[float, bool]]:
     """(summed log-probability, greedy) of each (context, continuation) pair of token ids; a
     context holds at least one token. `vocab_limit` leaves ids from it on out of the softmax and
-    the argmax; `progress` wraps the batches as they are read back (a progress bar)."""
+    the argmax; `progress` wraps the batches as they are read back (a progress bar);
+    `document_token`: the id that opens a document, for a model trained with document masks."""
     S = cfg.context_length
     for context, continuation in pairs:
         if not context:
@@ -184,11 +201,12 @@ def score_pairs(params: Params, cfg: ModelConfig, pairs: Sequence[Pair], *, batc
     longest = max(continuation_widths(S), default=0)
     by_context: dict[tuple[int, ...], list[int]] = {}  # the pairs that fit without a cut, by context
     for i, (context, continuation) in enumerate(pairs):
-        if len(context) + len(continuation) - 1 <= S and len(continuation) <= longest:
+        if len(context) + len(continuation) - 1 <= S and len(continuation) <= longest \
+                and not _opens_a_document(context, continuation, document_token):
             by_context.setdefault(tuple(context), []).append(i)
     groups = [g[k: k + batch_size] for g in by_context.values() if len(g) > 1 for k in range(0, len(g), batch_size)]
     in_groups = {i for g in groups for i in g}
-    batches = _Batches(params, cfg, batch_size, cfg.vocab_size if vocab_limit is None else vocab_limit)
+    batches = _Batches(params, cfg, batch_size, cfg.vocab_size if vocab_limit is None else vocab_limit, document_token)
     batches.rows(pairs, [i for i in range(len(pairs)) if i not in in_groups])
     if groups:
         batches.shared(pairs, groups)

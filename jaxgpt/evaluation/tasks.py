@@ -158,11 +158,11 @@ class TrainingTasks:
     tasks' data when training starts (so an unknown task or a missing file stops the run before
     its first step, everywhere); one process runs the tasks while the others wait."""
 
-    def __init__(self, train: TrainConfig, tokenizer: Tokenizer) -> None:
+    def __init__(self, train: TrainConfig, tokenizer: Tokenizer, *, documents: bool = False) -> None:
         self.names = names_list(train.eval_tasks, "train.eval_tasks")
         self.limit = train.eval_tasks_limit or None  # when they run: `jaxgpt.train.rhythm`
         check_tokenizer(tokenizer)
-        self.tokenizer = tokenizer
+        self.tokenizer, self.documents = tokenizer, documents  # documents: data.document_mask
         self.manager = task_manager(self.names, train.eval_tasks_path or None)
         with _harness_settings(quiet=True):
             self.manager.load(list(self.names))  # the harness caches what it downloads
@@ -178,7 +178,7 @@ class TrainingTasks:
                                   if isinstance(x, jax.Array) and not x.is_fully_addressable else x, params)
         record: dict[str, Any] = {"type": "eval_tasks", "step": step}
         if distributed.is_writer():
-            lm = HarnessLM(cfg, params, self.tokenizer, progress=False, step=step)
+            lm = HarnessLM(cfg, params, self.tokenizer, progress=False, step=step, documents=self.documents)
             results = run_tasks(lm, self.names, manager=self.manager, limit=self.limit, bootstrap_iters=0, quiet=True)
             record = task_record(results, step)
         distributed.wait_for_writer(f"jaxgpt-eval-tasks-{step}")

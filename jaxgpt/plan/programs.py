@@ -29,7 +29,7 @@ from jaxgpt.config import RunConfig
 from jaxgpt.kernels import Kernels
 from jaxgpt.train import sharding
 from jaxgpt.train.optim import OptHParams
-from jaxgpt.train.step import TrainState, window_length
+from jaxgpt.train.step import TrainState, batch_width
 from jaxgpt.train.sweep_mesh import GroupPrograms, group_mesh, layout_for
 
 MEMORY_FIELDS = {
@@ -124,7 +124,7 @@ def abstract_state(cfg: RunConfig, mesh: Mesh) -> TrainState:
 
 
 def _batch(cfg: RunConfig, mesh: Mesh) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct((cfg.train.batch_size, window_length(cfg.model)), jnp.int32,
+    return jax.ShapeDtypeStruct((cfg.train.batch_size, batch_width(cfg)), jnp.int32,
                                 sharding=sharding.batch_sharding(mesh))
 
 
@@ -172,7 +172,7 @@ def compile_group(cfg: RunConfig, n_members: int, devices: Sequence[jax.Device])
     layout = layout_for(cfg, n_members, devices)
     programs = GroupPrograms(cfg, group_mesh(layout, devices), n_members)
     state = sharding.placed(programs.state_shapes, programs.state_shardings)
-    batch = jax.ShapeDtypeStruct((n_members, cfg.train.batch_size, window_length(cfg.model)), jnp.int32,
+    batch = jax.ShapeDtypeStruct((n_members, cfg.train.batch_size, batch_width(cfg)), jnp.int32,
                                  sharding=programs.rows)
     scalar = functools.partial(jax.ShapeDtypeStruct, (n_members,), sharding=programs.replicated)
     hparams = OptHParams(*(scalar(jnp.int32 if name == "warmup_steps" else jnp.float32)

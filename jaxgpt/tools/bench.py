@@ -119,11 +119,13 @@ def time_train_step(cfg: RunConfig, repeats: int, with_peak: bool = False) -> di
     the peak it is divided by see the same machine load; `mfu_per_flop` is then the median of
     the per-repeat (1 / step seconds) / peak (multiply by FLOPs per step for MFU).
     """
-    from jaxgpt.data import window_length
+    from jaxgpt.data.batches import window_length, with_segments
     from jaxgpt.train.step import compile_steps, init_state
 
     state = init_state(cfg, jax.random.key(0))
     batch = _tokens(cfg.model, (cfg.train.batch_size, window_length(cfg.model)))
+    if cfg.data.document_mask:  # the built-in tokenizers' end-of-text is their last id
+        batch = jnp.asarray(with_segments(np.asarray(batch), cfg.model.context_length, cfg.model.vocab_size - 1))
     step, compile_s = compile_timed(compile_steps(cfg)[0], state, batch)
     holder = [state]
 

@@ -293,7 +293,7 @@ def train_group(runs: list[Member], data: RunData, *, progress: bool = True, des
     window = InFlight()  # each step is a program over every device of the group's mesh
     with tqdm(total=total, desc=desc, unit="step", dynamic_ncols=True, disable=not progress) as bar:
         for step in range(total):
-            state, metrics = programs.step(state, stacked("train", step), hparams, seeds_M)
+            state, metrics = programs.steps.at(step)(state, stacked("train", step), hparams, seeds_M)
             window.add(metrics)  # not the state, whose buffers the next step takes over (donated)
             done = step + 1
             if step == 0:

@@ -157,7 +157,7 @@ def _train(cfg: RunConfig, out_dir: str | Path, *, resume: bool, force: bool, pr
     if cfg.train.eval_tasks:  # checked here: an unknown task stops the run before anything is written
         from jaxgpt.evaluation.tasks import TrainingTasks
 
-        tasks = TrainingTasks(cfg.train, data.tokenizer)
+        tasks = TrainingTasks(cfg.train, data.tokenizer, documents=cfg.data.document_mask)
     signals.check()
     runtime = make_runtime(cfg)
     if init_from is not None and not (resume and has_checkpoints):
@@ -234,7 +234,7 @@ def _loop(cfg: RunConfig, run_dir: Path, data: RunData, state: TrainState, runti
         stopping = 0  # the signal every process stops for
         for step in range(start, total):
             batch = train_batch(cfg, data, step, cfg.train.seed)
-            state, metrics = runtime.train_step(state, batch)
+            state, metrics = runtime.train_step(state, batch, step)
             if step == start:  # the first step done: compiled (or loaded) and run
                 jax.block_until_ready(metrics)
                 clock.stage("first_step")

@@ -24,6 +24,7 @@ from jaxgpt.model.decoder import Params
 from jaxgpt.train import sharding
 from jaxgpt.train.checkpoint import on_one_device
 from jaxgpt.train.step import TrainState, compile_steps, init_state, state_from_params
+from jaxgpt.train.window_warmup import StagedSteps
 
 
 class SingleDevice:
@@ -36,6 +37,10 @@ class SingleDevice:
 
     def compile(self) -> tuple[Callable, Callable]:
         return compile_steps(self.cfg)
+
+    def compile_train(self, cfg: RunConfig) -> Callable:
+        """The train step of `cfg`, a config of the same state (a window warm-up's stage)."""
+        return compile_steps(cfg)[0]
 
     def init_state(self, rng: jax.Array) -> TrainState:
         return init_state(self.cfg, rng)
@@ -77,7 +82,10 @@ class Replicated(SingleDevice):
     mode = "pmap"
 
     def compile(self) -> tuple[Callable, Callable]:
-        return sharding.pmap_train_step(self.cfg), compile_steps(self.cfg)[1]
+        return self.compile_train(self.cfg), compile_steps(self.cfg)[1]
+
+    def compile_train(self, cfg: RunConfig) -> Callable:
+        return sharding.pmap_train_step(cfg)
 
     def init_state(self, rng: jax.Array) -> TrainState:
         return sharding.replicate(init_state(self.cfg, rng))
@@ -116,8 +124,10 @@ class Sharded(SingleDevice):
         self.shardings = sharding.state_shardings(self.mesh, sharding.state_shapes(cfg), cfg.train.fsdp)
 
     def compile(self) -> tuple[Callable, Callable]:
-        return (sharding.sharded_train_step(self.cfg, self.mesh, self.shardings),
-                sharding.sharded_eval_step(self.cfg, self.mesh, self.shardings.params))
+        return self.compile_train(self.cfg), sharding.sharded_eval_step(self.cfg, self.mesh, self.shardings.params)
+
+    def compile_train(self, cfg: RunConfig) -> Callable:
+        return sharding.sharded_train_step(cfg, self.mesh, self.shardings)
 
     def init_state(self, rng: jax.Array) -> TrainState:
         return sharding.init_sharded_state(self.cfg, rng, self.mesh)
@@ -149,6 +159,9 @@ class Runtime:
     _train: Callable
     _eval: Callable
 
+    def __post_init__(self) -> None:
+        self._steps = StagedSteps(self.cfg, self._train, self.placement.compile_train)
+
     @property
     def mode(self) -> str:
         return self.placement.mode
@@ -176,8 +189,12 @@ class Runtime:
         """Abstract state with the placement a restored checkpoint should land in."""
         return self.placement.restore_target()
 
-    def train_step(self, state: TrainState, batch_bW: np.ndarray) -> tuple[TrainState, dict[str, jax.Array]]:
-        state, metrics = self._train(state, self.placement.train_batch(batch_bW))
+    def train_step(self, state: TrainState, batch_bW: np.ndarray, step: int | None = None,
+                   ) -> tuple[TrainState, dict[str, jax.Array]]:
+        """One update from this process's rows; `step` (the state's) picks a window warm-up's
+        program (`jaxgpt.train.window_warmup`), None the full window's."""
+        train = self._train if step is None else self._steps.at(step)
+        state, metrics = train(state, self.placement.train_batch(batch_bW))
         return state, self.placement.host_metrics(metrics)
 
     def eval_loss(self, state: TrainState, batch_bW: np.ndarray) -> jax.Array:

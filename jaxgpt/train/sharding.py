@@ -37,7 +37,7 @@ from jax.sharding import PartitionSpec as P
 from jaxgpt.config import PARALLEL_MODES, RunConfig, TrainConfig
 from jaxgpt.errors import UserError
 from jaxgpt.kernels import Kernels, choose_kernels
-from jaxgpt.train.step import TrainState, eval_step, init_state, train_step, window_length
+from jaxgpt.train.step import TrainState, batch_width, eval_step, init_state, train_step
 
 MESH_AXES = ("data", "fsdp")
 PMAP_AXIS = "batch"
@@ -219,10 +219,10 @@ def pmap_train_step(cfg: RunConfig, axis_name: str = PMAP_AXIS) -> Callable:
     masks differ per device, so only with dropout 0 do the numbers match one device's).
     `jax.pmap` takes no compiler options: the kernels' `compiler_options` do not reach this step.
     """
-    model, train = cfg.model, cfg.train
+    train = cfg.train
     pmapped = jax.pmap(partial(train_step, cfg, axis_name=axis_name), axis_name=axis_name,
                        donate_argnums=0)
-    W = window_length(model)
+    W = batch_width(cfg)
 
     def step(state: TrainState, batch_NbW: Any):
         shape = tuple(np.shape(batch_NbW))

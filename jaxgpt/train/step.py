@@ -1,7 +1,8 @@
 """The pure training and evaluation steps: state, batch -> state, metrics.
 
 A batch is an int32 array of token windows [B, T + 1 + mtp_depth]: inputs are the first T tokens,
-and the targets of prediction depth d are the T tokens starting d + 1 later.
+and the targets of prediction depth d are the T tokens starting d + 1 later. With
+data.document_mask each row carries the inputs' T segment ids after its window (`batch_width`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxgpt.config import ModelConfig, RunConfig
-from jaxgpt.data import window_length  # noqa: F401  (the batch width; scripts import it from here too)
+from jaxgpt.data.batches import batch_width, window_length  # noqa: F401  (scripts import them from here too)
 from jaxgpt.kernels import Kernels, choose_kernels
 from jaxgpt.model.decoder import Params, forward, head_inputs, head_weight, init_params
 from jaxgpt.model.layers import compute_dtype
@@ -41,24 +42,28 @@ def state_from_params(cfg: RunConfig, params: Params) -> TrainState:
 
 
 def depth_losses(params: Params, model: ModelConfig, window_BW: jax.Array, *, train: bool = False,
-                 rng: jax.Array | None = None, kernels: Kernels | None = None) -> jax.Array:
+                 rng: jax.Array | None = None, kernels: Kernels | None = None, segmented: bool = False) -> jax.Array:
     """Mean cross-entropy (float32) of each prediction depth: [1 + mtp_depth].
 
     `kernels`: by default the ones `jaxgpt.kernels` chooses for the model on this backend. Kernels
     with a fused head and loss (`Kernels.head_loss`) take the hidden states instead of the logits,
-    so the [B, T, V] logits are never all in memory.
+    so the [B, T, V] logits are never all in memory. `segmented`: the rows end with their inputs'
+    segment ids (data.document_mask).
     """
-    T = model.context_length
+    T, W = model.context_length, window_length(model)
     kernels = kernels or choose_kernels(model)
     inputs_BT = window_BW[:, :T]
+    segment_ids = window_BW[:, W:W + T] if segmented else None
     targets_DBT = jnp.stack([window_BW[:, 1 + d: 1 + d + T] for d in range(1 + model.mtp_depth)])
     if kernels.head_loss is not None:
-        hidden_DBTC = head_inputs(params, model, inputs_BT, train=train, rng=rng, kernels=kernels)
+        hidden_DBTC = head_inputs(params, model, inputs_BT, train=train, rng=rng, kernels=kernels,
+                                  segment_ids=segment_ids)
         weight = head_weight(params, model)
         return jnp.stack([kernels.head_loss(h_BTC, weight, t_BT, tied=model.tie_embeddings, dtype=compute_dtype(model),
                                             softcap=model.logit_softcap)
                           for h_BTC, t_BT in zip(hidden_DBTC, targets_DBT)])
-    logits_DBTV = forward(params, model, inputs_BT, all_depths=True, train=train, rng=rng, kernels=kernels)
+    logits_DBTV = forward(params, model, inputs_BT, all_depths=True, train=train, rng=rng, kernels=kernels,
+                          segment_ids=segment_ids)
     losses = optax.softmax_cross_entropy_with_integer_labels(logits_DBTV.astype(jnp.float32), targets_DBT)
     return losses.mean(axis=(1, 2))
 
@@ -97,8 +102,8 @@ def train_step(cfg: RunConfig, state: TrainState, batch_BW: jax.Array, axis_name
         index, window_BW = inputs
 
         def objective(params):
-            depths = depth_losses(params, model, window_BW, train=True,
-                                  rng=jax.random.fold_in(dropout_key, index), kernels=kernels)
+            depths = depth_losses(params, model, window_BW, train=True, rng=jax.random.fold_in(dropout_key, index),
+                                  kernels=kernels, segmented=cfg.data.document_mask)
             return training_loss(depths, train.mtp_weight), depths
 
         (_, depths), grads = jax.value_and_grad(objective, has_aux=True)(state.params)
@@ -123,7 +128,7 @@ def train_step(cfg: RunConfig, state: TrainState, batch_BW: jax.Array, axis_name
 
 def eval_step(cfg: RunConfig, params: Params, batch_BW: jax.Array, kernels: Kernels | None = None) -> jax.Array:
     """Mean next-token loss (float32) of one batch, without dropout."""
-    return depth_losses(params, cfg.model, batch_BW, kernels=kernels)[0]
+    return depth_losses(params, cfg.model, batch_BW, kernels=kernels, segmented=cfg.data.document_mask)[0]
 
 
 def compile_steps(cfg: RunConfig, kernels: Kernels | None = None):

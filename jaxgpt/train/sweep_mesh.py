@@ -38,7 +38,8 @@ from jaxgpt.config import RunConfig
 from jaxgpt.errors import UserError
 from jaxgpt.kernels import choose_kernels
 from jaxgpt.train.optim import OptHParams
-from jaxgpt.train.step import TrainState, eval_step, init_state, train_step, window_length
+from jaxgpt.train.step import TrainState, batch_width, eval_step, init_state, train_step
+from jaxgpt.train.window_warmup import StagedSteps
 
 AXES = ("members", "data")
 
@@ -106,10 +107,6 @@ class GroupPrograms:
         kernels = choose_kernels(cfg.model).on_mesh(mesh, batch_axes=("data",))
         on_trace = on_trace or (lambda kind: None)
 
-        def member_step(state: TrainState, batch_BW: jax.Array, hparams: OptHParams, seed: jax.Array) -> Any:
-            on_trace("train")
-            return train_step(cfg, state, batch_BW, hparams=hparams, seed=seed, kernels=kernels)
-
         def member_eval(params: Any, batch_BW: jax.Array) -> jax.Array:
             on_trace("eval")
             return eval_step(cfg, params, batch_BW, kernels)
@@ -123,9 +120,18 @@ class GroupPrograms:
         vmapped = functools.partial(jax.vmap, spmd_axis_name="members")
         self.init = jax.jit(vmapped(functools.partial(_init, cfg)),
                             in_shardings=self.replicated, out_shardings=self.state_shardings)
-        self.step = jax.jit(vmapped(member_step), donate_argnums=0, compiler_options=options,
-                            in_shardings=(self.state_shardings, self.rows, self.replicated, self.replicated),
-                            out_shardings=(self.state_shardings, self.replicated))
+
+        def compile_step(staged: RunConfig) -> Callable:
+            def member_step(state: TrainState, batch_BW: jax.Array, hparams: OptHParams, seed: jax.Array) -> Any:
+                on_trace("train")
+                return train_step(staged, state, batch_BW, hparams=hparams, seed=seed, kernels=kernels)
+
+            return jax.jit(vmapped(member_step), donate_argnums=0, compiler_options=options,
+                           in_shardings=(self.state_shardings, self.rows, self.replicated, self.replicated),
+                           out_shardings=(self.state_shardings, self.replicated))
+
+        self.step = compile_step(cfg)
+        self.steps = StagedSteps(cfg, self.step, compile_step)  # `steps.at(step)`: a window warm-up's stage
         self.evaluate = jax.jit(vmapped(member_eval), compiler_options=options,
                                 in_shardings=(self.state_shardings.params, self.rows), out_shardings=self.replicated)
 
@@ -137,7 +143,7 @@ class GroupPrograms:
     def batch(self, rows_of: Callable[[int], np.ndarray]) -> jax.Array:
         """The global [M, B, W] batch; `rows_of(m)` gives member m's [B, W] rows, asked only for
         the members this process holds (once each)."""
-        W = window_length(self.cfg.model)
+        W = batch_width(self.cfg)
         shape = (self.n_members, self.cfg.train.batch_size, W)
         made: dict[int, np.ndarray] = {}
 
