@@ -3,6 +3,7 @@ ids follow the end-of-text tokens (each opens the document after it), aligned ro
 documents, and a masked loss or score equals each document's alone."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -10,8 +11,9 @@ import pytest
 from jaxgpt.config import ConfigError, ModelConfig, RunConfig, load_config
 from jaxgpt.data.batches import RunData, batch_width, document_starts, get_batch, train_batch, val_batch, with_segments
 from jaxgpt.data.store import Tokens, TokenSplits
+from jaxgpt.evaluation.generate import generate
 from jaxgpt.evaluation.scoring import score_pairs
-from jaxgpt.model.decoder import forward, init_params
+from jaxgpt.model.decoder import forward, forward_cached, init_cache, init_params
 from jaxgpt.train.step import compile_steps, init_state
 
 EOT = 63
@@ -105,3 +107,35 @@ def test_scoring_reads_a_pair_from_its_last_document():
 def test_a_bad_alignment_is_one_line():
     with pytest.raises(ConfigError, match=r"data.align = 'rows' is not one of none, document"):
         load_config(None, ["data.align=rows"])
+
+
+@pytest.mark.parametrize("position", ["learned", "rope"])
+def test_cached_decoding_of_documents_equals_the_masked_forward_pass(position):
+    """A prefill and then blocks of one and three tokens, end-of-text tokens among both: each
+    token's logits are those of the packed row's forward pass with its segments."""
+    cfg = ModelConfig(vocab_size=64, context_length=32, d_model=32, n_layers=2, n_heads=4, position=position,
+                      init_std=0.3)
+    params = init_params(cfg, jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(4), (2, 20), 0, EOT)
+    tokens = tokens.at[0, 3].set(EOT).at[0, 9].set(EOT).at[1, 12].set(EOT).at[1, 13].set(EOT).at[0, 16].set(EOT)
+    want = forward(params, cfg, tokens, segment_ids=jnp.cumsum(tokens == EOT, axis=1))
+    cache = init_cache(cfg, 2, 32, documents=True)
+    got, cache = forward_cached(params, cfg, tokens[:, :6], cache, fresh=True, document_token=EOT)
+    pieces = [got]
+    for a, b in ((6, 7), (7, 10), (10, 11), (11, 14), (14, 17), (17, 20)):
+        logits, cache = forward_cached(params, cfg, tokens[:, a:b], cache, document_token=EOT)
+        pieces.append(logits)
+    np.testing.assert_allclose(jnp.concatenate(pieces, axis=1), want, atol=2e-5)
+    np.testing.assert_array_equal(cache["floor"], [16, 13])
+    with pytest.raises(Exception, match=r"needs a cache made with init_cache\(\.\.\., documents=True\)"):
+        forward_cached(params, cfg, tokens[:, :2], init_cache(cfg, 2, 32), fresh=True, document_token=EOT)
+
+
+def test_the_sampler_reads_a_prompt_from_its_last_document_plainly_and_speculatively():
+    cfg = ModelConfig(vocab_size=64, context_length=32, d_model=32, n_layers=2, n_heads=4, init_std=0.3, mtp_depth=1)
+    params = init_params(cfg, jax.random.key(1))
+    prompt, tail = [5, 6, 7, EOT, 8, 9, EOT, 10], [EOT, 10]
+    alone = generate(params, cfg, [tail], 12, temperature=0.0)
+    assert generate(params, cfg, [prompt, tail], 12, temperature=0.0, document_token=EOT) == [alone[0], alone[0]]
+    assert generate(params, cfg, [prompt], 12, temperature=0.0, document_token=EOT, speculative=True) == alone
+    assert generate(params, cfg, [prompt], 12, temperature=0.0) != alone  # without it, the prompt reads back

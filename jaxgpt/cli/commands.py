@@ -197,10 +197,11 @@ def _eval_tasks(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     from jaxgpt.data.tokenizer import Tokenizer
     from jaxgpt.evaluation.generate import generate_tokens
-    from jaxgpt.train.checkpoint import load_run
+    from jaxgpt.train.checkpoint import load_run, load_run_config
 
     tokenizer = Tokenizer.load(RunDir(args.run).tokenizer)
     model, params = load_run(args.run)
+    documents = load_run_config(args.run).data.document_mask  # the model reads one document at a time
     prompt = list(tokenizer.encode(args.prompt)) if args.prompt else list(tokenizer.encode("\n")) or [0]
     stop_token = None
     if args.stop is not None:
@@ -219,7 +220,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     for tokens in generate_tokens(params, model, [prompt], args.max_new_tokens, temperature=args.temperature,
                                   top_k=args.top_k or None, top_p=args.top_p, seed=args.seed,
                                   stop_token=stop_token, vocab_limit=tokenizer.vocab_size,
-                                  speculative=args.speculative, stats=stats):
+                                  speculative=args.speculative, stats=stats,
+                                  document_token=tokenizer.eot_id if documents else None):
         if tokens[0] < 0:
             break
         emitted.append(int(tokens[0]))

@@ -51,7 +51,7 @@ import numpy as np
 from jaxgpt.config import ModelConfig
 from jaxgpt.errors import UserError
 from jaxgpt.kernels import choose_kernels
-from jaxgpt.model.decoder import Cache, Params, forward_cached, init_cache
+from jaxgpt.model.decoder import Cache, Params, document_floors, forward_cached, init_cache
 
 # A finished row (one that produced `stop_token`) yields this from then on.
 FINISHED = -1
@@ -105,7 +105,7 @@ def sample_logits(
     return jax.random.categorical(rng, logits_BV, axis=-1).astype(jnp.int32)
 
 
-_STATIC = ("cfg", "temperature", "top_k", "top_p", "vocab_limit", "draft", "mesh")
+_STATIC = ("cfg", "temperature", "top_k", "top_p", "vocab_limit", "draft", "mesh", "document_token")
 
 
 def params_mesh(params: Params) -> Any:
@@ -121,9 +121,9 @@ def _kernels(cfg: ModelConfig, mesh: Any) -> Any:
     return kernels if mesh is None else kernels.on_mesh(mesh, batch_axes=())
 
 
-def _cache_for(cfg: ModelConfig, batch: int, draft: int) -> Cache:
+def _cache_for(cfg: ModelConfig, batch: int, draft: int, document_token: int | None) -> Cache:
     """context_length positions, plus `draft` slots a speculative block may write past the end."""
-    cache = init_cache(cfg, batch, cfg.context_length)
+    cache = init_cache(cfg, batch, cfg.context_length, documents=document_token is not None)
     if draft:
         pad = ((0, 0), (0, 0), (0, draft), (0, 0), (0, 0))
         cache = {**cache, "k": jnp.pad(cache["k"], pad), "v": jnp.pad(cache["v"], pad)}
@@ -176,14 +176,17 @@ def _append(state: dict[str, Any], block_BJ: jax.Array, n_new_B: jax.Array, stop
 def _start(
     params: Params, tokens_BP: jax.Array, lengths_B: jax.Array, max_new: jax.Array, stop_token: jax.Array,
     key: jax.Array, *, size: int, cfg: ModelConfig, temperature: float, top_k: int | None,
-    top_p: float | None, vocab_limit: int | None, draft: int, mesh: Any = None,
+    top_p: float | None, vocab_limit: int | None, draft: int, mesh: Any = None, document_token: int | None = None,
 ) -> dict[str, Any]:
     """Prefill right-padded prompts and sample each row's first token at its own length."""
     options = dict(temperature=temperature, top_k=top_k, top_p=top_p, vocab_limit=vocab_limit)
     B, P = tokens_BP.shape
-    logits, cache = forward_cached(params, cfg, tokens_BP, _cache_for(cfg, B, draft), all_depths=draft > 0,
-                                   fresh=True, kernels=_kernels(cfg, mesh))
+    empty = _cache_for(cfg, B, draft, document_token)
+    logits, cache = forward_cached(params, cfg, tokens_BP, empty, all_depths=draft > 0, fresh=True,
+                                   kernels=_kernels(cfg, mesh), document_token=document_token)
     cache["index"] = lengths_B  # each row's later writes start at its true end, over the padding
+    if document_token is not None:  # the document of each row's last prompt token, not of its padding
+        cache["floor"] = _at(document_floors(tokens_BP, document_token, empty["index"], empty["floor"]), lengths_B - 1)
     tokens_B, drafts_BD = _next_tokens(logits, lengths_B - 1, jax.random.fold_in(key, 0), draft, options)
     state = {
         "seq": jnp.zeros((B, size), jnp.int32).at[:, :P].set(tokens_BP),
@@ -195,7 +198,8 @@ def _start(
 
 
 def _step(params: Params, state: dict[str, Any], stop_token: jax.Array, key: jax.Array, *,
-          cfg: ModelConfig, draft: int, mesh: Any = None, **options: Any) -> dict[str, Any]:
+          cfg: ModelConfig, draft: int, mesh: Any = None, document_token: int | None = None,
+          **options: Any) -> dict[str, Any]:
     """One forward pass per row: feed the pending token (and its drafts), append what it yields.
 
     The cache holds the row's window but its last token (`pending`, seq[length - 1]). A row whose
@@ -212,7 +216,7 @@ def _step(params: Params, state: dict[str, Any], stop_token: jax.Array, key: jax
     pending_B = _at(seq_BN, length_B - 1)
     fed_BJ = jnp.concatenate([pending_B[:, None], state["drafts"]], axis=1)
     logits, stepped_cache = forward_cached(params, cfg, fed_BJ, cache, all_depths=draft > 0,
-                                           kernels=_kernels(cfg, mesh))
+                                           kernels=_kernels(cfg, mesh), document_token=document_token)
     if draft:
         greedy_BJ = jnp.argmax(logits[0], axis=-1).astype(jnp.int32)
         agree_B = jnp.cumprod(greedy_BJ[:, :draft] == state["drafts"], axis=1).sum(axis=1)
@@ -223,12 +227,16 @@ def _step(params: Params, state: dict[str, Any], stop_token: jax.Array, key: jax
         stepped = (tokens_B[:, None], jnp.ones_like(length_B), drafts_BD)
         agree_B = jnp.zeros_like(length_B)
     stepped_cache = {**stepped_cache, "index": cache["index"] + stepped[1]}
+    if document_token is not None:  # the document of the last token kept, not of a rejected draft
+        floors_BJ = document_floors(fed_BJ, document_token, cache["index"], cache["floor"])
+        stepped_cache["floor"] = _at(floors_BJ, stepped[1] - 1)
 
     def slide(_):
         window_BW = jax.vmap(lambda row, at: jax.lax.dynamic_slice(row, (at,), (W,)))(
             seq_BN, jnp.maximum(length_B - W, 0))
-        logits, fresh = forward_cached(params, cfg, window_BW, _cache_for(cfg, seq_BN.shape[0], draft),
-                                       all_depths=draft > 0, fresh=True, kernels=_kernels(cfg, mesh))
+        logits, fresh = forward_cached(params, cfg, window_BW, _cache_for(cfg, seq_BN.shape[0], draft, document_token),
+                                       all_depths=draft > 0, fresh=True, kernels=_kernels(cfg, mesh),
+                                       document_token=document_token)
         tokens_B, drafts_BD = _next_tokens(logits, jnp.full_like(length_B, W - 1), rng, draft, options)
         block_BJ = jnp.zeros_like(stepped[0]).at[:, 0].set(tokens_B)
         return _select(full_B, ((block_BJ, jnp.ones_like(length_B), drafts_BD), fresh), (stepped, stepped_cache))
@@ -253,7 +261,7 @@ def _step(params: Params, state: dict[str, Any], stop_token: jax.Array, key: jax
 def _advance(
     params: Params, state: dict[str, Any], target: jax.Array, stop_token: jax.Array, key: jax.Array, *,
     cfg: ModelConfig, temperature: float, top_k: int | None, top_p: float | None, vocab_limit: int | None,
-    draft: int, mesh: Any = None,
+    draft: int, mesh: Any = None, document_token: int | None = None,
 ) -> dict[str, Any]:
     """Decode on device until every unfinished row holds at least `target` new tokens."""
     options = dict(temperature=temperature, top_k=top_k, top_p=top_p, vocab_limit=vocab_limit)
@@ -263,7 +271,8 @@ def _advance(
         return (s["length"] < goal_B).any()
 
     def step(s):
-        return _step(params, s, stop_token, key, cfg=cfg, draft=draft, mesh=mesh, **options)
+        return _step(params, s, stop_token, key, cfg=cfg, draft=draft, mesh=mesh, document_token=document_token,
+                     **options)
 
     return jax.lax.while_loop(unfinished, step, state)
 
@@ -352,6 +361,7 @@ def generate_tokens(
     chunk: int | None = 16,
     stats: dict[str, Any] | None = None,
     prompt_width: int | None = None,
+    document_token: int | None = None,
 ) -> Iterator[np.ndarray]:
     """Yield the new token of each sequence, one position at a time, as numpy int32 arrays [B].
 
@@ -367,8 +377,10 @@ def generate_tokens(
     and tokens_per_s (the chunks after the first, decoding alone; None with a single chunk).
     `prompt_width` sets the prefill's width (at least the longest prompt, at most
     `context_length`; default: the longest prompt's power-of-two bucket), for a caller that keeps
-    its compiled shapes to a few of its own. Bad arguments raise ValueError here, at the call,
-    not at the first `next()`.
+    its compiled shapes to a few of its own. `document_token` (a model trained with
+    data.document_mask: the end-of-text id) opens a document, in the prompt or generated, and
+    the tokens after it read only their own document. Bad arguments raise ValueError here, at
+    the call, not at the first `next()`.
     """
     _check_options(temperature, top_k, top_p)
     rows = _check_prompts(cfg, prompts)
@@ -378,6 +390,8 @@ def generate_tokens(
         raise UserError(f"stop_token {stop_token} lies outside [0, {cfg.vocab_size}) and can never be produced")
     if vocab_limit is not None and not 1 <= vocab_limit <= cfg.vocab_size:
         raise UserError(f"vocab_limit must be in [1, {cfg.vocab_size}], got {vocab_limit!r}")
+    if document_token is not None and not 0 <= document_token < cfg.vocab_size:
+        raise UserError(f"document_token {document_token} lies outside [0, {cfg.vocab_size})")
     if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
         raise UserError(f"chunk must be an integer >= 1 or None, got {chunk!r}")
     longest = max(len(row) for row in rows)
@@ -390,7 +404,7 @@ def generate_tokens(
         raise UserError("speculative decoding is greedy: use temperature 0")
     options = dict(cfg=cfg, temperature=float(temperature), top_k=top_k,
                    top_p=None if top_p is None else float(top_p), vocab_limit=vocab_limit,
-                   draft=cfg.mtp_depth if speculative else 0, mesh=params_mesh(params))
+                   draft=cfg.mtp_depth if speculative else 0, mesh=params_mesh(params), document_token=document_token)
     stop = np.int32(-1 if stop_token is None else stop_token)  # -1: no token ever equals it
     width = prompt_width or bucket_length(longest, cfg.context_length)
     return _decode_loop(params, rows, width, max_new_tokens, jax.random.key(seed), stop,

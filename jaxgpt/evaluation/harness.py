@@ -185,7 +185,7 @@ class HarnessLM(TemplateLM):
             self._seed += 1
             stream = generate_tokens(self.params, self.cfg, rows, max_new, **sampling, seed=self._seed,
                                      stop_token=eot, vocab_limit=self.vocab_limit, chunk=GEN_CHUNK,
-                                     prompt_width=width)
+                                     prompt_width=width, document_token=self.document_token)
             ended = [False] * len(batch)
             for t, tokens_B in enumerate(stream):
                 for r, i in enumerate(batch):

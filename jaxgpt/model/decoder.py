@@ -87,18 +87,25 @@ class Decoder(nn.Module):
     @nn.compact
     def __call__(
         self, token_ids_BT: jax.Array, cache: Cache | None = None, all_depths: bool = False, fresh: bool = False,
-        stop_before_head: bool = False, segment_ids: jax.Array | None = None,
+        stop_before_head: bool = False, segment_ids: jax.Array | None = None, document_token: int | None = None,
     ) -> tuple[jax.Array, Cache | None]:
         cfg, kernels = self.cfg, self.kernels
         B, T = token_ids_BT.shape
         C, V = cfg.d_model, cfg.vocab_size
         dtype = activation_dtype(cfg, kernels)
+        floors_BT = None  # decoding documents: the cache position each new token's document starts at
+        if document_token is not None:
+            floors_BT = document_floors(token_ids_BT, document_token, cache["index"], cache["floor"])
+            if fresh:  # among the new tokens alone: the packed rows' masks and positions
+                segment_ids = jnp.cumsum(token_ids_BT == document_token, axis=1)
         if segment_ids is not None:
             segment_ids, positions_BT = segment_runs(segment_ids)
         elif cache is None:
             positions_BT = jnp.broadcast_to(jnp.arange(T), (B, T))
         else:
             positions_BT = cache["index"][:, None] + jnp.arange(T)
+            if floors_BT is not None:
+                positions_BT = positions_BT - floors_BT
 
         token_embedding = nn.Embed(V, C, embedding_init=dense_init(cfg), name="token_embedding")
         x_BTC = token_embedding(token_ids_BT)
@@ -119,7 +126,8 @@ class Decoder(nn.Module):
         x_BTC = nn.Dropout(cfg.dropout)(x_BTC, deterministic=self.deterministic).astype(dtype)
         chex.assert_shape(x_BTC, (B, T, C))
 
-        shared = Shared(x0_BTC=x_BTC if cfg.x0_mix else None, segment_ids=segment_ids)
+        shared = Shared(x0_BTC=x_BTC if cfg.x0_mix else None, segment_ids=segment_ids,
+                        document_floors=None if fresh else floors_BT)
         if cfg.value_embeds:
             # Initialised at the spread of the values they join: unit-RMS inputs times init_std weights.
             tables_NVX = self.param("value_embeds", nn.initializers.normal(cfg.init_std * C**0.5),
@@ -156,6 +164,8 @@ class Decoder(nn.Module):
         if cache is not None:  # one in-place write for all layers, after they have read the cache
             k, v = write_kv((cache["k"], cache["v"]), kv, cache["index"])
             new_cache = {"k": k, "v": v, "index": cache["index"] + T}
+            if floors_BT is not None:
+                new_cache["floor"] = floors_BT[:, -1]
         return logits_BTV, new_cache
 
     def _blocks(self, x_BTC, rope, kv, index, shared, table):
@@ -286,8 +296,9 @@ def _apply(params, cfg, token_ids, *, all_depths, train, rng, kernels, head=True
     return out
 
 
-def init_cache(cfg: ModelConfig, batch_size: int, max_length: int) -> Cache:
-    """An empty KV cache for `batch_size` sequences of up to `max_length` tokens each."""
+def init_cache(cfg: ModelConfig, batch_size: int, max_length: int, *, documents: bool = False) -> Cache:
+    """An empty KV cache for `batch_size` sequences of up to `max_length` tokens each; with
+    `documents`, also where each sequence's current document starts (`forward_cached(document_token=...)`)."""
     if batch_size < 1 or max_length < 1:
         raise UserError(f"cache needs batch_size >= 1 and max_length >= 1, got {batch_size}, {max_length}")
     if cfg.position == "learned" and max_length > cfg.context_length:
@@ -297,19 +308,33 @@ def init_cache(cfg: ModelConfig, batch_size: int, max_length: int) -> Cache:
         )
     shape = (cfg.n_layers, batch_size, max_length, cfg.kv_heads, cfg.head_size)
     dtype = compute_dtype(cfg)
-    return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype),
-            "index": jnp.zeros((batch_size,), jnp.int32)}
+    cache = {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype), "index": jnp.zeros((batch_size,), jnp.int32)}
+    if documents:
+        cache["floor"] = jnp.zeros((batch_size,), jnp.int32)
+    return cache
+
+
+def document_floors(token_ids_BT: jax.Array, document_token: int, index_B: jax.Array, floor_B: jax.Array,
+                    ) -> jax.Array:
+    """[B, T]: the cache position where each new token's document starts: its latest end-of-text
+    token at or before it (which opens the document after it), else the cache's `floor`."""
+    at_BT = index_B[:, None] + jnp.arange(token_ids_BT.shape[1])
+    opened_BT = jax.lax.cummax(jnp.where(token_ids_BT == document_token, at_BT, 0), axis=1)
+    return jnp.maximum(floor_B[:, None], opened_BT).astype(jnp.int32)
 
 
 def forward_cached(
     params: Params, cfg: ModelConfig, token_ids: jax.Array, cache: Cache, *, all_depths: bool = False,
-    fresh: bool = False, kernels: Kernels = PORTABLE,
+    fresh: bool = False, kernels: Kernels = PORTABLE, document_token: int | None = None,
 ) -> tuple[jax.Array, Cache]:
     """Run T new tokens per sequence against the cache (a prefill, or T = 1 for one step).
 
     Returns their logits [B, T, V] ([1 + mtp_depth, B, T, V] with `all_depths`) and the cache
     with the new keys and values written. `fresh` promises an empty cache (every index 0, as
     `init_cache` makes it): the prefill then attends among the new tokens only, as `forward` does.
+    `document_token` (a model trained with data.document_mask; the cache made with `documents`):
+    that token opens a document, and a token reads only its own document, its position counted
+    from the document's start, as `forward(segment_ids=...)` reads packed rows.
     """
     token_ids = check_token_ids(token_ids, cfg.vocab_size)
     B, T = token_ids.shape
@@ -322,8 +347,10 @@ def forward_cached(
             raise UserError(f"KV cache overflow: {end} positions needed, the cache holds {S}")
     if fresh and _is_concrete(cache["index"]) and np.asarray(cache["index"]).any():
         raise UserError("forward_cached(fresh=True) needs an empty cache (every index 0)")
+    if document_token is not None and "floor" not in cache:
+        raise UserError("forward_cached(document_token=...) needs a cache made with init_cache(..., documents=True)")
     logits, cache = Decoder(cfg, kernels).apply({"params": params}, token_ids, cache=cache,
-                                                all_depths=all_depths, fresh=fresh)
+                                                all_depths=all_depths, fresh=fresh, document_token=document_token)
     return logits, cache
 
 

@@ -183,6 +183,7 @@ class CausalSelfAttention(nn.Module):
     def __call__(
         self, x_BTC: jax.Array, rope: Rope | None, kv: KV | None = None, index: jax.Array | None = None,
         values: ValueEmbeds | None = None, segment_ids: jax.Array | None = None, window: jax.Array | None = None,
+        floors: jax.Array | None = None,
     ) -> tuple[jax.Array, KV | None]:
         """Cached decoding passes `index` [B]: the T new keys and values are then returned for the
         caller to write (`write_kv`), so no layer copies the cache. With `kv` too (this layer's
@@ -191,7 +192,8 @@ class CausalSelfAttention(nn.Module):
         value embeddings (model.value_embeds), mixed into the values before they are cached;
         `segment_ids` [B, T]: each query reads only its own segment's keys (no cache); `window`
         (model.attention_window, this block's: 0 for the whole context) bounds how far back a
-        query reads, cached or not."""
+        query reads, cached or not; `floors` [B, T] (with a cache, documents): the cache position
+        each query's document starts at, before which it reads nothing."""
         cfg = self.cfg
         B, T, _ = x_BTC.shape
         H, K, D = cfg.n_heads, cfg.kv_heads, cfg.head_size
@@ -214,7 +216,7 @@ class CausalSelfAttention(nn.Module):
             out_BTHD = self.kernels.attention(q_BTHD, k_BTKD, v_BTKD, train=self.train, remat=cfg.remat != "none",
                                               **masks)
         else:
-            out_BTHD = cached_attention(q_BTHD, kv, (k_BTKD, v_BTKD), index, window)
+            out_BTHD = cached_attention(q_BTHD, kv, (k_BTKD, v_BTKD), index, window, floors)
         kv = None if index is None else (k_BTKD, v_BTKD)
         out = dense(cfg, self.kernels, cfg.d_model, "out", output=True)(out_BTHD.reshape(B, T, H * D))
         return nn.Dropout(cfg.dropout)(out, deterministic=self.deterministic), kv
@@ -234,9 +236,10 @@ def prepare_qk(cfg: ModelConfig, q_BTHD: jax.Array, k_BTKD: jax.Array, rope: Rop
 
 
 def cached_attention(q_BTHD: jax.Array, cache: KV, new: KV, index_B: jax.Array,
-                     window: jax.Array | None = None) -> jax.Array:
+                     window: jax.Array | None = None, floors_BT: jax.Array | None = None) -> jax.Array:
     """T queries against a sequence's cached positions [0, index) and the T new keys, causally;
-    with `window` (0: none), only the keys within it of each query.
+    with `window` (0: none), only the keys within it of each query; with `floors_BT`, only the
+    keys at or after the cache position where each query's document starts.
 
     One softmax over both parts (scores in float32). Cache slots from `index` on hold padding or
     stale keys and are masked; the new keys need not be written first, so the cache is only read.
@@ -251,11 +254,15 @@ def cached_attention(q_BTHD: jax.Array, cache: KV, new: KV, index_B: jax.Array,
     written_BTS = jnp.broadcast_to((jnp.arange(S) < index_B[:, None])[:, None, :], (B, T, S))
     if window is not None:  # the query at index + t reads cached position s where index + t - s < window
         written_BTS = written_BTS & jax.vmap(lambda i: in_window(T, window, i, S)[0, 0])(index_B)
+    if floors_BT is not None:
+        written_BTS = written_BTS & (jnp.arange(S) >= floors_BT[:, :, None])
     old = jnp.where(written_BTS[:, None, None], old, -jnp.inf)
     now = jnp.einsum("btkgd,bskd->bkgts", q_BTKGD, k_BTKD, preferred_element_type=jnp.float32)
     causal_TT = jnp.tril(jnp.ones((T, T), bool))
     if window is not None:
         causal_TT = causal_TT & in_window(T, window)[0, 0]
+    if floors_BT is not None:  # the new key at index + u is in the query's document when at or past its floor
+        causal_TT = causal_TT & (index_B[:, None, None] + jnp.arange(T) >= floors_BT[:, :, None])[:, None, None]
     now = jnp.where(causal_TT, now, -jnp.inf)
     # The new part always holds the query's own key, so the max is finite and no row is empty.
     peak = jax.lax.stop_gradient(jnp.maximum(old.max(-1, keepdims=True), now.max(-1, keepdims=True)))
@@ -318,10 +325,10 @@ class TransformerBlock(nn.Module):
     def __call__(
         self, x_BTC: jax.Array, rope: Rope | None, kv: KV | None = None, index: jax.Array | None = None,
         x0_BTC: jax.Array | None = None, values: ValueEmbeds | None = None, segment_ids: jax.Array | None = None,
-        window: jax.Array | None = None,
+        window: jax.Array | None = None, floors: jax.Array | None = None,
     ) -> tuple[jax.Array, KV | None]:
         """`x0_BTC`: the first block's input, mixed in under model.x0_mix; `values`: the value
-        embeddings (model.value_embeds); `segment_ids` and `window`: the attention's masks."""
+        embeddings (model.value_embeds); `segment_ids`, `window` and `floors`: the attention's masks."""
         cfg, kernels = self.cfg, self.kernels
         B, T, _ = x_BTC.shape
         chex.assert_shape(x_BTC, (B, T, cfg.d_model))
@@ -333,11 +340,11 @@ class TransformerBlock(nn.Module):
         attention_norm = make_norm(cfg, kernels, "attention_norm")
         feed_forward_norm = make_norm(cfg, kernels, "feed_forward_norm")
         if cfg.residual == "pre":
-            attended, kv = attention(attention_norm(x_BTC), rope, kv, index, values, segment_ids, window)
+            attended, kv = attention(attention_norm(x_BTC), rope, kv, index, values, segment_ids, window, floors)
             y_BTC = x_BTC + attended
             y_BTC = y_BTC + feed_forward(feed_forward_norm(y_BTC))
         else:
-            attended, kv = attention(x_BTC, rope, kv, index, values, segment_ids, window)
+            attended, kv = attention(x_BTC, rope, kv, index, values, segment_ids, window, floors)
             y_BTC = attention_norm(x_BTC + attended)
             y_BTC = feed_forward_norm(y_BTC + feed_forward(y_BTC))
         y_BTC = y_BTC.astype(x_BTC.dtype)

@@ -26,12 +26,14 @@ from jaxgpt.model.layers import mixed
 
 class Shared(NamedTuple):
     """What every block reads besides the residual stream: the first block's input (model.x0_mix),
-    every value table's lookup of the tokens [N, B, T, K*D] (model.value_embeds) and the
-    attention's segments [B, T] (`forward(segment_ids=...)`)."""
+    every value table's lookup of the tokens [N, B, T, K*D] (model.value_embeds), the
+    attention's segments [B, T] (`forward(segment_ids=...)`) and, decoding documents on a cache,
+    the cache position each token's document starts at [B, T] (`forward_cached(document_token=...)`)."""
 
     x0_BTC: jax.Array | None = None
     value_lookups: jax.Array | None = None
     segment_ids: jax.Array | None = None
+    document_floors: jax.Array | None = None
 
 
 def skip_plan(n_layers: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -96,7 +98,8 @@ def layer_step(cfg: ModelConfig, kernels: Kernels) -> Callable[..., Any]:
         values = None
         if cfg.value_embeds:
             values = (shared.value_lookups, row["value_table"], row["value_on"])
-        x_BTC, kv = block(x_BTC, rope, kv, index, shared.x0_BTC, values, shared.segment_ids, row.get("window"))
+        x_BTC, kv = block(x_BTC, rope, kv, index, shared.x0_BTC, values, shared.segment_ids, row.get("window"),
+                          shared.document_floors)
         if cfg.unet_skips:
             skips_SBTC = jax.lax.dynamic_update_index_in_dim(skips_SBTC, x_BTC, row["skip_to"], 0)
             return (x_BTC, skips_SBTC), kv
