@@ -10,6 +10,8 @@ import pytest
 from conftest import SPEEDRUN
 
 from jaxgpt.config import ConfigError, load_config
+from jaxgpt.errors import UserError
+from jaxgpt.evaluation.generate import generate, lower_decoding
 from jaxgpt.kernels import PORTABLE, choose_kernels
 from jaxgpt.model.decoder import forward, forward_cached, init_cache, init_params
 from jaxgpt.model.shortcuts import window_plan
@@ -65,14 +67,44 @@ def test_cached_decoding_equals_the_windowed_forward_pass(case):
     want = forward(params, cfg, tokens)
     cache = init_cache(cfg, 2, 24)
     first, cache = forward_cached(params, cfg, tokens[:, :6], cache, fresh=True)  # a prefill, then one at a time
-    steps = [first]
+    steps, step = [first], jax.jit(lambda tokens, cache: forward_cached(params, cfg, tokens, cache))
+    prefilled = cache
     for t in range(6, 20):
-        logits, cache = forward_cached(params, cfg, tokens[:, t:t + 1], cache)
+        logits, cache = step(tokens[:, t:t + 1], cache)
         steps.append(logits)
     np.testing.assert_allclose(jnp.concatenate(steps, axis=1), want, rtol=0, atol=2e-5)
-    chunk, _ = forward_cached(params, cfg, tokens[:, 6:20], forward_cached(params, cfg, tokens[:, :6], init_cache(cfg, 2, 24),
-                                                                          fresh=True)[1])
+    chunk, _ = step(tokens[:, 6:20], prefilled)
     np.testing.assert_allclose(chunk, want[:, 6:], rtol=0, atol=2e-5)  # several new tokens against the cache
+
+
+def test_a_windowed_model_decodes_past_its_context_on_a_ring_of_its_window():
+    """Every block windowed (W 4, RoPE): the cache is a ring of W slots (plus the draft's) whatever
+    the length asked for, rings wrap over prefills and blocks of several tokens, and the sampler
+    decodes past context_length (32) without sliding, plain and speculative, each token the
+    windowed forward pass's greedy one."""
+    cfg, params = model("model.position=rope", "model.n_layers=2", "model.attention_window=4", "model.mtp_depth=1")
+    for n in (100, 10_000):
+        state = lower_decoding(params, cfg, max_new_tokens=n)["advance"].args_info[0][1]
+        assert state["cache"]["k"].shape == (2, 1, 4, 4, 8)  # [L, B, W, K, D]: the bytes do not follow n
+    tokens = jax.random.randint(jax.random.key(1), (2, 24), 0, 64)
+    want = forward(params, cfg, tokens)
+    got, cache = forward_cached(params, cfg, tokens[:, :9], init_cache(cfg, 2, 5, ring=True), fresh=True)
+    pieces, step = [got], jax.jit(lambda tokens, cache: forward_cached(params, cfg, tokens, cache))
+    for a, b in ((9, 10), (10, 15), (15, 20), (20, 21), (21, 24)):  # the ring wraps inside blocks and between them
+        logits, cache = step(tokens[:, a:b], cache)
+        pieces.append(logits)
+    np.testing.assert_allclose(jnp.concatenate(pieces, axis=1), want, rtol=0, atol=2e-5)
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 10]]
+    plain = generate(params, cfg, prompts, 40, temperature=0.0)
+    assert generate(params, cfg, prompts, 40, temperature=0.0, speculative=True) == plain
+    for prompt, new in zip(prompts, plain):
+        row = jnp.array([prompt + new])
+        np.testing.assert_array_equal(forward(params, cfg, row)[0, len(prompt) - 1:-1].argmax(-1), new)
+    with pytest.raises(UserError, match=r"6 new tokens do not fit a ring cache of 5 slots"):
+        forward_cached(params, cfg, tokens[:, :6], cache)
+    long_short, _ = model("model.position=rope", "model.attention_window=4", "model.window_pattern=SL")
+    with pytest.raises(UserError, match=r"a ring cache needs every block windowed"):
+        init_cache(long_short, 1, 4, ring=True)
 
 
 def test_bad_windows_are_one_line_errors():

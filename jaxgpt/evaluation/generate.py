@@ -51,7 +51,15 @@ import numpy as np
 from jaxgpt.config import ModelConfig
 from jaxgpt.errors import UserError
 from jaxgpt.kernels import choose_kernels
-from jaxgpt.model.decoder import Cache, Params, document_floors, forward_cached, init_cache
+from jaxgpt.model.decoder import (
+    Cache,
+    Params,
+    document_floors,
+    forward_cached,
+    init_cache,
+    ring_cache_length,
+    ring_from,
+)
 
 # A finished row (one that produced `stop_token`) yields this from then on.
 FINISHED = -1
@@ -122,8 +130,12 @@ def _kernels(cfg: ModelConfig, mesh: Any) -> Any:
 
 
 def _cache_for(cfg: ModelConfig, batch: int, draft: int, document_token: int | None) -> Cache:
-    """context_length positions, plus `draft` slots a speculative block may write past the end."""
-    cache = init_cache(cfg, batch, cfg.context_length, documents=document_token is not None)
+    """context_length positions, plus `draft` slots a speculative block may write past the end;
+    for a model whose every block is windowed, a ring of the window and the drafts' slots."""
+    documents, ring = document_token is not None, ring_cache_length(cfg, draft)
+    if ring:
+        return init_cache(cfg, batch, ring, documents=documents, ring=True)
+    cache = init_cache(cfg, batch, cfg.context_length, documents=documents)
     if draft:
         pad = ((0, 0), (0, 0), (0, draft), (0, 0), (0, 0))
         cache = {**cache, "k": jnp.pad(cache["k"], pad), "v": jnp.pad(cache["v"], pad)}
@@ -181,10 +193,16 @@ def _start(
     """Prefill right-padded prompts and sample each row's first token at its own length."""
     options = dict(temperature=temperature, top_k=top_k, top_p=top_p, vocab_limit=vocab_limit)
     B, P = tokens_BP.shape
-    empty = _cache_for(cfg, B, draft, document_token)
+    ring = ring_cache_length(cfg, draft)
+    # A ring keeps a row's last positions: its prompt's, not its padding's, so the prefill goes
+    # through a linear cache of the prompts' width first.
+    empty = init_cache(cfg, B, P, documents=document_token is not None) if ring else \
+        _cache_for(cfg, B, draft, document_token)
     logits, cache = forward_cached(params, cfg, tokens_BP, empty, all_depths=draft > 0, fresh=True,
                                    kernels=_kernels(cfg, mesh), document_token=document_token)
     cache["index"] = lengths_B  # each row's later writes start at its true end, over the padding
+    if ring:
+        cache = ring_from(cache, lengths_B, ring)
     if document_token is not None:  # the document of each row's last prompt token, not of its padding
         cache["floor"] = _at(document_floors(tokens_BP, document_token, empty["index"], empty["floor"]), lengths_B - 1)
     tokens_B, drafts_BD = _next_tokens(logits, lengths_B - 1, jax.random.fold_in(key, 0), draft, options)
@@ -211,7 +229,8 @@ def _step(params: Params, state: dict[str, Any], stop_token: jax.Array, key: jax
     S, W = cfg.context_length, slide_length(cfg)
     seq_BN, length_B, cache = state["seq"], state["length"], state["cache"]
     active_B = length_B < state["end"]
-    full_B = cache["index"] >= S
+    ring = "slot_positions" in cache  # never full: a row decodes on past the context without sliding
+    full_B = jnp.zeros_like(active_B) if ring else cache["index"] >= S
     rng = jax.random.fold_in(key, state["step"])
     pending_B = _at(seq_BN, length_B - 1)
     fed_BJ = jnp.concatenate([pending_B[:, None], state["drafts"]], axis=1)
@@ -220,7 +239,9 @@ def _step(params: Params, state: dict[str, Any], stop_token: jax.Array, key: jax
     if draft:
         greedy_BJ = jnp.argmax(logits[0], axis=-1).astype(jnp.int32)
         agree_B = jnp.cumprod(greedy_BJ[:, :draft] == state["drafts"], axis=1).sum(axis=1)
-        agree_B = jnp.clip(agree_B, 0, S - 1 - cache["index"]).astype(jnp.int32)
+        if not ring:
+            agree_B = jnp.clip(agree_B, 0, S - 1 - cache["index"])
+        agree_B = agree_B.astype(jnp.int32)
         stepped = (greedy_BJ, agree_B + 1, _drafts(logits, agree_B, draft))
     else:
         tokens_B, drafts_BD = _next_tokens(logits, jnp.zeros_like(length_B), rng, draft, options)
@@ -241,8 +262,11 @@ def _step(params: Params, state: dict[str, Any], stop_token: jax.Array, key: jax
         block_BJ = jnp.zeros_like(stepped[0]).at[:, 0].set(tokens_B)
         return _select(full_B, ((block_BJ, jnp.ones_like(length_B), drafts_BD), fresh), (stepped, stepped_cache))
 
-    (block_BJ, n_new_B, drafts_BD), new_cache = jax.lax.cond(
-        (full_B & active_B).any(), slide, lambda _: (stepped, stepped_cache), None)
+    if ring:
+        (block_BJ, n_new_B, drafts_BD), new_cache = stepped, stepped_cache
+    else:
+        (block_BJ, n_new_B, drafts_BD), new_cache = jax.lax.cond(
+            (full_B & active_B).any(), slide, lambda _: (stepped, stepped_cache), None)
     counted_B = active_B & ~full_B
     new = _append({**state, "cache": new_cache, "drafts": drafts_BD}, block_BJ, n_new_B, stop_token)
     new["step"] = state["step"] + 1

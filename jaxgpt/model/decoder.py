@@ -30,6 +30,7 @@ from jaxgpt.config import ModelConfig
 from jaxgpt.errors import UserError
 from jaxgpt.kernels import PORTABLE, Kernels
 from jaxgpt.model.layers import (
+    CachePlace,
     FeedForward,
     TransformerBlock,
     in_a_loop,
@@ -42,8 +43,9 @@ from jaxgpt.model.layers import (
     sinusoidal_positions,
     softcap,
     write_kv,
+    write_ring,
 )
-from jaxgpt.model.shortcuts import Shared, empty_skips, layer_step, layer_table
+from jaxgpt.model.shortcuts import Shared, empty_skips, layer_step, layer_table, window_plan
 from jaxgpt.model.token_ids import check_token_ids
 
 Params = dict[str, Any]
@@ -126,8 +128,7 @@ class Decoder(nn.Module):
         x_BTC = nn.Dropout(cfg.dropout)(x_BTC, deterministic=self.deterministic).astype(dtype)
         chex.assert_shape(x_BTC, (B, T, C))
 
-        shared = Shared(x0_BTC=x_BTC if cfg.x0_mix else None, segment_ids=segment_ids,
-                        document_floors=None if fresh else floors_BT)
+        shared = Shared(x0_BTC=x_BTC if cfg.x0_mix else None, segment_ids=segment_ids)
         if cfg.value_embeds:
             # Initialised at the spread of the values they join: unit-RMS inputs times init_std weights.
             tables_NVX = self.param("value_embeds", nn.initializers.normal(cfg.init_std * C**0.5),
@@ -138,8 +139,9 @@ class Decoder(nn.Module):
             skip_weights = self.param("skip_weights", nn.initializers.ones, (cfg.n_layers // 2,), jnp.float32)
 
         kv = None if cache is None or fresh else (cache["k"], cache["v"])
-        index = None if cache is None else cache["index"]
-        x_BTC, kv = self._blocks(x_BTC, rope, kv, index, shared, layer_table(cfg, skip_weights))
+        place = None if cache is None else CachePlace(cache["index"], None if fresh else floors_BT,
+                                                      cache.get("slot_positions"))
+        x_BTC, kv = self._blocks(x_BTC, rope, kv, place, shared, layer_table(cfg, skip_weights))
 
         hidden_BTC = make_norm(cfg, kernels, "final_norm")(x_BTC)
         if stop_before_head:  # what the head reads at each depth, for a loss that runs the head itself
@@ -161,14 +163,17 @@ class Decoder(nn.Module):
                 MTPAdapter(cfg, kernels, self.deterministic, name=f"mtp_{d}")(hidden_BTC)
 
         new_cache = None
-        if cache is not None:  # one in-place write for all layers, after they have read the cache
+        if cache is not None and "slot_positions" in cache:  # a ring: the last R positions stay
+            (k, v), slots = write_ring((cache["k"], cache["v"]), kv, cache["index"], cache["slot_positions"])
+            new_cache = {"k": k, "v": v, "index": cache["index"] + T, "slot_positions": slots}
+        elif cache is not None:  # one in-place write for all layers, after they have read the cache
             k, v = write_kv((cache["k"], cache["v"]), kv, cache["index"])
             new_cache = {"k": k, "v": v, "index": cache["index"] + T}
             if floors_BT is not None:
                 new_cache["floor"] = floors_BT[:, -1]
         return logits_BTV, new_cache
 
-    def _blocks(self, x_BTC, rope, kv, index, shared, table):
+    def _blocks(self, x_BTC, rope, kv, place, shared, table):
         cfg = self.cfg
         block_cls = _block_class(cfg, self.kernels)
         step = layer_step(cfg, self.kernels)
@@ -178,13 +183,13 @@ class Decoder(nn.Module):
                             in_axes=(nn.broadcast, 0, nn.broadcast, nn.broadcast, 0), length=cfg.n_layers,
                             unroll=min(self.kernels.scan_unroll, cfg.n_layers) if self.train else 1)
             carry, kv = stack(block_cls(cfg, self.kernels, self.deterministic, self.train, name="blocks"),
-                              carry, rope, kv, index, shared, table)
+                              carry, rope, kv, place, shared, table)
         else:
             new_k, new_v = [], []
             for i in range(cfg.n_layers):
                 layer_kv = None if kv is None else (kv[0][i], kv[1][i])
                 block = block_cls(cfg, self.kernels, self.deterministic, self.train, name=f"block_{i}")
-                carry, layer_kv = step(block, carry, rope, layer_kv, index, shared,
+                carry, layer_kv = step(block, carry, rope, layer_kv, place, shared,
                                        {key: column[i] for key, column in table.items()})
                 if layer_kv is not None:
                     new_k.append(layer_kv[0])
@@ -296,11 +301,20 @@ def _apply(params, cfg, token_ids, *, all_depths, train, rng, kernels, head=True
     return out
 
 
-def init_cache(cfg: ModelConfig, batch_size: int, max_length: int, *, documents: bool = False) -> Cache:
+def init_cache(cfg: ModelConfig, batch_size: int, max_length: int, *, documents: bool = False,
+               ring: bool = False) -> Cache:
     """An empty KV cache for `batch_size` sequences of up to `max_length` tokens each; with
-    `documents`, also where each sequence's current document starts (`forward_cached(document_token=...)`)."""
+    `documents`, also where each sequence's current document starts (`forward_cached(document_token=...)`).
+
+    `ring` (a model whose every block is windowed, `ring_cache_length`): `max_length` slots that
+    hold each sequence's latest positions, however many came before, so the cache's bytes follow
+    the window and not the text's length; a pass may then bring at most `max_length` new tokens
+    (a prefill into an empty ring any number: the last `max_length` stay)."""
     if batch_size < 1 or max_length < 1:
         raise UserError(f"cache needs batch_size >= 1 and max_length >= 1, got {batch_size}, {max_length}")
+    if ring and not ring_cache_length(cfg):
+        raise UserError("a ring cache needs every block windowed (model.attention_window > 0, model.window_pattern "
+                        "without L) and positions that go on past the context (RoPE or sinusoidal)")
     if cfg.position == "learned" and max_length > cfg.context_length:
         raise UserError(
             f"cache max_length {max_length} exceeds context_length {cfg.context_length} "
@@ -311,7 +325,30 @@ def init_cache(cfg: ModelConfig, batch_size: int, max_length: int, *, documents:
     cache = {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype), "index": jnp.zeros((batch_size,), jnp.int32)}
     if documents:
         cache["floor"] = jnp.zeros((batch_size,), jnp.int32)
+    if ring:
+        cache["slot_positions"] = jnp.full((batch_size, max_length), -1, jnp.int32)
     return cache
+
+
+def ring_cache_length(cfg: ModelConfig, draft: int = 0) -> int:
+    """The slots a ring cache needs for `cfg` (0 where it cannot have one): the window, plus the
+    `draft` positions a speculative block writes and may take back, so that a rejected draft
+    never overwrites a key the window still reads."""
+    if cfg.position == "learned" or not (window_plan(cfg) > 0).all():
+        return 0
+    return cfg.attention_window + draft
+
+
+def ring_from(cache: Cache, lengths_B: jax.Array, slots: int) -> Cache:
+    """A ring of `slots` from a linear cache whose rows hold `lengths_B` positions (a padded
+    prefill's): each row's last `slots` positions before its length, the rest marked empty."""
+    j = jnp.arange(slots)
+    held_BR = lengths_B[:, None] - 1 - (lengths_B[:, None] - 1 - j) % slots  # the latest position p < length, p = j mod R
+    source_BR = jnp.clip(held_BR, 0, cache["k"].shape[2] - 1)
+    gather = jax.vmap(lambda buffer_LSKD, at_R: buffer_LSKD[:, at_R], in_axes=(1, 0), out_axes=1)
+    ring = {**cache, "k": gather(cache["k"], source_BR), "v": gather(cache["v"], source_BR), "index": lengths_B,
+            "slot_positions": jnp.where(held_BR >= 0, held_BR, -1).astype(jnp.int32)}
+    return ring
 
 
 def document_floors(token_ids_BT: jax.Array, document_token: int, index_B: jax.Array, floor_B: jax.Array,
@@ -341,7 +378,10 @@ def forward_cached(
     L, cache_B, S = cache["k"].shape[:3]
     if cache_B != B:
         raise UserError(f"token IDs have batch {B} but the cache was made for batch {cache_B}")
-    if _is_concrete(cache["index"]):
+    if "slot_positions" in cache:
+        if T > S and not fresh:
+            raise UserError(f"{T} new tokens do not fit a ring cache of {S} slots: a cached pass brings at most {S}")
+    elif _is_concrete(cache["index"]):
         end = int(np.asarray(cache["index"]).max()) + T
         if end > S:
             raise UserError(f"KV cache overflow: {end} positions needed, the cache holds {S}")

@@ -9,7 +9,7 @@ dense layers' matmul, the attention and the GELU are the `Kernels` each module i
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import chex
 import flax.linen as nn
@@ -181,19 +181,17 @@ class CausalSelfAttention(nn.Module):
 
     @nn.compact
     def __call__(
-        self, x_BTC: jax.Array, rope: Rope | None, kv: KV | None = None, index: jax.Array | None = None,
+        self, x_BTC: jax.Array, rope: Rope | None, kv: KV | None = None, place: CachePlace | None = None,
         values: ValueEmbeds | None = None, segment_ids: jax.Array | None = None, window: jax.Array | None = None,
-        floors: jax.Array | None = None,
     ) -> tuple[jax.Array, KV | None]:
-        """Cached decoding passes `index` [B]: the T new keys and values are then returned for the
+        """Cached decoding passes `place`: the T new keys and values are then returned for the
         caller to write (`write_kv`), so no layer copies the cache. With `kv` too (this layer's
-        cache, read only) the queries also read each sequence's first `index` cached positions;
-        without it (a prefill into an empty cache) they read only the new tokens. `values`: the
+        cache, read only) the queries also read each sequence's cached positions before
+        `place.index`; without it (a prefill into an empty cache) they read only the new tokens. `values`: the
         value embeddings (model.value_embeds), mixed into the values before they are cached;
         `segment_ids` [B, T]: each query reads only its own segment's keys (no cache); `window`
         (model.attention_window, this block's: 0 for the whole context) bounds how far back a
-        query reads, cached or not; `floors` [B, T] (with a cache, documents): the cache position
-        each query's document starts at, before which it reads nothing."""
+        query reads, cached or not."""
         cfg = self.cfg
         B, T, _ = x_BTC.shape
         H, K, D = cfg.n_heads, cfg.kv_heads, cfg.head_size
@@ -216,8 +214,8 @@ class CausalSelfAttention(nn.Module):
             out_BTHD = self.kernels.attention(q_BTHD, k_BTKD, v_BTKD, train=self.train, remat=cfg.remat != "none",
                                               **masks)
         else:
-            out_BTHD = cached_attention(q_BTHD, kv, (k_BTKD, v_BTKD), index, window, floors)
-        kv = None if index is None else (k_BTKD, v_BTKD)
+            out_BTHD = cached_attention(q_BTHD, kv, (k_BTKD, v_BTKD), place, window)
+        kv = None if place is None else (k_BTKD, v_BTKD)
         out = dense(cfg, self.kernels, cfg.d_model, "out", output=True)(out_BTHD.reshape(B, T, H * D))
         return nn.Dropout(cfg.dropout)(out, deterministic=self.deterministic), kv
 
@@ -235,27 +233,45 @@ def prepare_qk(cfg: ModelConfig, q_BTHD: jax.Array, k_BTKD: jax.Array, rope: Rop
     return q_BTHD, k_BTKD
 
 
-def cached_attention(q_BTHD: jax.Array, cache: KV, new: KV, index_B: jax.Array,
-                     window: jax.Array | None = None, floors_BT: jax.Array | None = None) -> jax.Array:
-    """T queries against a sequence's cached positions [0, index) and the T new keys, causally;
-    with `window` (0: none), only the keys within it of each query; with `floors_BT`, only the
-    keys at or after the cache position where each query's document starts.
+class CachePlace(NamedTuple):
+    """Where a cached pass's T new tokens stand: each sequence's next position `index` [B]; when
+    decoding documents, the position each new token's document starts at, `floors` [B, T] (none
+    before it is read); in a ring cache, the position each slot holds, `slot_positions` [B, R]
+    (-1: none yet)."""
+
+    index: jax.Array
+    floors: jax.Array | None = None
+    slot_positions: jax.Array | None = None
+
+
+def cached_attention(q_BTHD: jax.Array, cache: KV, new: KV, place: CachePlace,
+                     window: jax.Array | None = None) -> jax.Array:
+    """T queries against a sequence's cached positions before `place.index` and the T new keys,
+    causally; with `window` (0: none), only the keys within it of each query; with the place's
+    floors, only the keys of each query's document.
 
     One softmax over both parts (scores in float32). Cache slots from `index` on hold padding or
     stale keys and are masked; the new keys need not be written first, so the cache is only read.
     """
     B, T, H, D = q_BTHD.shape
     (k_BSKD, v_BSKD), (k_BTKD, v_BTKD) = cache, new
+    index_B, floors_BT = place.index, place.floors
     K = k_BTKD.shape[2]
     q_BTKGD = (q_BTHD * jnp.asarray(D**-0.5, q_BTHD.dtype)).reshape(B, T, K, H // K, D)
     dtype = q_BTHD.dtype
     old = jnp.einsum("btkgd,bskd->bkgts", q_BTKGD, k_BSKD.astype(dtype), preferred_element_type=jnp.float32)
     S = k_BSKD.shape[1]
-    written_BTS = jnp.broadcast_to((jnp.arange(S) < index_B[:, None])[:, None, :], (B, T, S))
-    if window is not None:  # the query at index + t reads cached position s where index + t - s < window
-        written_BTS = written_BTS & jax.vmap(lambda i: in_window(T, window, i, S)[0, 0])(index_B)
+    held_BS = place.slot_positions  # the position each slot holds; None: slot s holds position s
+    if held_BS is None:
+        written_BTS = jnp.broadcast_to((jnp.arange(S) < index_B[:, None])[:, None, :], (B, T, S))
+        if window is not None:  # the query at index + t reads cached position s where index + t - s < window
+            written_BTS = written_BTS & jax.vmap(lambda i: in_window(T, window, i, S)[0, 0])(index_B)
+    else:  # a ring: a slot holds a position written before index (a rejected draft's is not), or none
+        written_BTS = ((held_BS >= 0) & (held_BS < index_B[:, None]))[:, None, :]
+        written_BTS = written_BTS & (index_B[:, None, None] + jnp.arange(T)[:, None] - held_BS[:, None, :] < window)
     if floors_BT is not None:
-        written_BTS = written_BTS & (jnp.arange(S) >= floors_BT[:, :, None])
+        held_BS = jnp.broadcast_to(jnp.arange(S), (B, S)) if held_BS is None else held_BS
+        written_BTS = written_BTS & (held_BS[:, None, :] >= floors_BT[:, :, None])
     old = jnp.where(written_BTS[:, None, None], old, -jnp.inf)
     now = jnp.einsum("btkgd,bskd->bkgts", q_BTKGD, k_BTKD, preferred_element_type=jnp.float32)
     causal_TT = jnp.tril(jnp.ones((T, T), bool))
@@ -281,6 +297,23 @@ def write_kv(cache: KV, new: KV, index_B: jax.Array) -> KV:
         return jax.lax.dynamic_update_slice(buffer_LSKD, new_LTKD.astype(buffer_LSKD.dtype), (0, start, 0, 0))
 
     return tuple(jax.vmap(write, in_axes=(1, 1, 0), out_axes=1)(c, n, index_B) for c, n in zip(cache, new))
+
+
+def write_ring(cache: KV, new: KV, index_B: jax.Array, slot_positions_BR: jax.Array) -> tuple[KV, jax.Array]:
+    """Write each sequence's T new keys and values into every layer's ring of R slots, position p
+    into slot p mod R (of more than R new ones, the last R), and note the positions the slots now
+    hold: (cache, slot_positions [B, R])."""
+    R, T = slot_positions_BR.shape[1], new[0].shape[2]
+    kept = min(T, R)
+    positions_BK = index_B[:, None] + (T - kept) + jnp.arange(kept)
+    slots_BK = positions_BK % R
+
+    def write(buffer_LRKD, new_LKKD, slots_K):
+        return buffer_LRKD.at[:, slots_K].set(new_LKKD[:, T - kept:].astype(buffer_LRKD.dtype))
+
+    cache = tuple(jax.vmap(write, in_axes=(1, 1, 0), out_axes=1)(c, n, slots_BK) for c, n in zip(cache, new))
+    return cache, jax.vmap(lambda held, slots, positions: held.at[slots].set(positions))(
+        slot_positions_BR, slots_BK, positions_BK)
 
 
 def mixed(kernels: Kernels, cfg: ModelConfig, x_BTC: jax.Array, y_BTC: jax.Array, a: jax.Array, b: jax.Array
@@ -323,12 +356,12 @@ class TransformerBlock(nn.Module):
 
     @nn.compact
     def __call__(
-        self, x_BTC: jax.Array, rope: Rope | None, kv: KV | None = None, index: jax.Array | None = None,
+        self, x_BTC: jax.Array, rope: Rope | None, kv: KV | None = None, place: CachePlace | None = None,
         x0_BTC: jax.Array | None = None, values: ValueEmbeds | None = None, segment_ids: jax.Array | None = None,
-        window: jax.Array | None = None, floors: jax.Array | None = None,
+        window: jax.Array | None = None,
     ) -> tuple[jax.Array, KV | None]:
         """`x0_BTC`: the first block's input, mixed in under model.x0_mix; `values`: the value
-        embeddings (model.value_embeds); `segment_ids`, `window` and `floors`: the attention's masks."""
+        embeddings (model.value_embeds); `segment_ids` and `window`: the attention's masks."""
         cfg, kernels = self.cfg, self.kernels
         B, T, _ = x_BTC.shape
         chex.assert_shape(x_BTC, (B, T, cfg.d_model))
@@ -340,11 +373,11 @@ class TransformerBlock(nn.Module):
         attention_norm = make_norm(cfg, kernels, "attention_norm")
         feed_forward_norm = make_norm(cfg, kernels, "feed_forward_norm")
         if cfg.residual == "pre":
-            attended, kv = attention(attention_norm(x_BTC), rope, kv, index, values, segment_ids, window, floors)
+            attended, kv = attention(attention_norm(x_BTC), rope, kv, place, values, segment_ids, window)
             y_BTC = x_BTC + attended
             y_BTC = y_BTC + feed_forward(feed_forward_norm(y_BTC))
         else:
-            attended, kv = attention(x_BTC, rope, kv, index, values, segment_ids, window, floors)
+            attended, kv = attention(x_BTC, rope, kv, place, values, segment_ids, window)
             y_BTC = attention_norm(x_BTC + attended)
             y_BTC = feed_forward_norm(y_BTC + feed_forward(y_BTC))
         y_BTC = y_BTC.astype(x_BTC.dtype)

@@ -26,14 +26,12 @@ from jaxgpt.model.layers import mixed
 
 class Shared(NamedTuple):
     """What every block reads besides the residual stream: the first block's input (model.x0_mix),
-    every value table's lookup of the tokens [N, B, T, K*D] (model.value_embeds), the
-    attention's segments [B, T] (`forward(segment_ids=...)`) and, decoding documents on a cache,
-    the cache position each token's document starts at [B, T] (`forward_cached(document_token=...)`)."""
+    every value table's lookup of the tokens [N, B, T, K*D] (model.value_embeds) and the
+    attention's segments [B, T] (`forward(segment_ids=...)`)."""
 
     x0_BTC: jax.Array | None = None
     value_lookups: jax.Array | None = None
     segment_ids: jax.Array | None = None
-    document_floors: jax.Array | None = None
 
 
 def skip_plan(n_layers: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -84,11 +82,11 @@ def empty_skips(cfg: ModelConfig, x_BTC: jax.Array) -> jax.Array:
 
 
 def layer_step(cfg: ModelConfig, kernels: Kernels) -> Callable[..., Any]:
-    """One layer of the stack as a function of (block, carry, rope, kv, index, shared, row): the
+    """One layer of the stack as a function of (block, carry, rope, kv, place, shared, row): the
     carry is the residual stream, or (stream, skip buffer) under model.unet_skips; `row` is this
     layer's `layer_table` entries. A scan's body and the unscanned loop alike."""
 
-    def step(block, carry, rope, kv, index, shared: Shared, row: dict[str, jax.Array]):
+    def step(block, carry, rope, kv, place, shared: Shared, row: dict[str, jax.Array]):
         if cfg.unet_skips:
             x_BTC, skips_SBTC = carry
             taken_BTC = jax.lax.dynamic_index_in_dim(skips_SBTC, row["skip_from"], keepdims=False)
@@ -98,8 +96,7 @@ def layer_step(cfg: ModelConfig, kernels: Kernels) -> Callable[..., Any]:
         values = None
         if cfg.value_embeds:
             values = (shared.value_lookups, row["value_table"], row["value_on"])
-        x_BTC, kv = block(x_BTC, rope, kv, index, shared.x0_BTC, values, shared.segment_ids, row.get("window"),
-                          shared.document_floors)
+        x_BTC, kv = block(x_BTC, rope, kv, place, shared.x0_BTC, values, shared.segment_ids, row.get("window"))
         if cfg.unet_skips:
             skips_SBTC = jax.lax.dynamic_update_index_in_dim(skips_SBTC, x_BTC, row["skip_to"], 0)
             return (x_BTC, skips_SBTC), kv
