@@ -173,6 +173,12 @@ class ModelConfig:
             raise ConfigError(
                 f"model.n_heads = {self.n_heads} is not divisible by model.kv_heads = {self.kv_heads}"
             )
+
+    def block_windows(self) -> tuple[int, ...]:
+        """Per block: its attention window, window_pattern cycled over the blocks (S: the window,
+        L: 0, the whole context)."""
+        pattern = self.window_pattern * -(-self.n_layers // len(self.window_pattern))
+        return tuple(self.attention_window if letter == "S" else 0 for letter in pattern[:self.n_layers])
         if self.position == "rope" and self.head_size % 2:
             raise ConfigError(f"model.position = 'rope' needs an even head size, got {self.head_size}")
         if self.position == "sinusoidal" and self.d_model % 2:

@@ -9,9 +9,10 @@ half-truncated rotary with 1 / 1024 as its lowest frequency) and a ReLU² MLP, b
 inputs without gains; U-net: the first half's outputs are pushed, and each block of the second
 half first adds the last one popped times its skip weight; value tables 0..N-1 feed the first
 N blocks and again the last N; untied head, logits 15 * tanh(z / 15). Its flex attention's
-document and sliding-window masks are plain causal on inputs without the end-of-text token and
-shorter than its window, the inputs these tests use; block 7's missing attention only exists at
-12 layers, deeper than these tests go.
+document mask: `forward(tokens, eot)` counts end-of-text tokens along each row (the token opens
+the next document) and a query reads only its own document's keys; without `eot`, plain causal.
+Its sliding window is plain causal on inputs shorter than the window, the inputs these tests use;
+block 7's missing attention only exists at 12 layers, deeper than these tests go.
 
 `NanochatGPT`: nanochat's `GPT` (karpathy/nanochat, nanochat/gpt.py at commit 92d63d4e): the
 embedding RMS-normed, then its smear (each position adds the previous one's embedding times
@@ -40,14 +41,17 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return torch.cat([x1 * cos + x2 * sin, -x1 * sin + x2 * cos], dim=-1)
 
 
-def causal_attention(q, k, v, window: int | None = None) -> torch.Tensor:
-    """q [B, T, H, D], k and v [B, T, K, D]; each query reads the keys at most `window` - 1 back."""
+def causal_attention(q, k, v, window: int | None = None, docs: torch.Tensor | None = None) -> torch.Tensor:
+    """q [B, T, H, D], k and v [B, T, K, D]; each query reads the keys at most `window` - 1 back,
+    and with `docs` [B, T] only those of its own document."""
     T, group = q.size(1), q.size(2) // k.size(2)
     k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
     i = torch.arange(T)
     allowed = (i[:, None] >= i[None, :])
     if window is not None:
         allowed &= (i[:, None] - i[None, :]) < window
+    if docs is not None:
+        allowed = allowed & (docs[:, None, :, None] == docs[:, None, None, :])
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=allowed)
     return out.transpose(1, 2)
 
@@ -74,33 +78,34 @@ class ModdedGPT(nn.Module):
         theta = torch.outer(torch.arange(T, dtype=torch.float32), freq)
         return theta.cos()[None, :, None, :], theta.sin()[None, :, None, :]
 
-    def attention(self, i: int, x: torch.Tensor, ve: torch.Tensor | None, rotary) -> torch.Tensor:
+    def attention(self, i: int, x: torch.Tensor, ve: torch.Tensor | None, rotary, docs=None) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = (proj[i](x).view(B, T, self.n_heads, -1) for proj in (self.c_q, self.c_k, self.c_v))
         lambdas = self.attn_lambdas[i]
         v = lambdas[0] * v + lambdas[1] * ve.view_as(v) if ve is not None else lambdas[0] * v
         q, k = rms_norm(q), rms_norm(k)
         q, k = rotate(q, *rotary), rotate(k, *rotary)
-        return self.c_proj[i](causal_attention(q, k, v).reshape(B, T, C))
+        return self.c_proj[i](causal_attention(q, k, v, docs=docs).reshape(B, T, C))
 
-    def block(self, i: int, x, ve, x0, rotary):
+    def block(self, i: int, x, ve, x0, rotary, docs=None):
         x = self.block_lambdas[i][0] * x + self.block_lambdas[i][1] * x0
-        x = x + self.attention(i, rms_norm(x), ve, rotary)
+        x = x + self.attention(i, rms_norm(x), ve, rotary, docs)
         return x + self.mlp_proj[i](F.relu(self.c_fc[i](rms_norm(x))).square())
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, eot: int | None = None) -> torch.Tensor:
         n, half = self.n_layers, self.n_layers // 2
+        docs = None if eot is None else (tokens == eot).cumsum(1)
         rotary = self.rotary(tokens.size(1), self.c_q[0].in_features // self.n_heads)
         x = x0 = rms_norm(self.embed(tokens))
         tables = [table(tokens) for table in self.value_embeds]
         ve = tables + [None] * (n - 2 * len(tables)) + tables
         skips = []
         for i in range(half):
-            x = self.block(i, x, ve[i], x0, rotary)
+            x = self.block(i, x, ve[i], x0, rotary, docs)
             skips.append(x)
         for i in range(n - half):
             x = x + self.skip_weights[i] * skips.pop()
-            x = self.block(half + i, x, ve[half + i], x0, rotary)
+            x = self.block(half + i, x, ve[half + i], x0, rotary, docs)
         logits = self.lm_head(rms_norm(x))
         return 15 * torch.tanh(logits / 15)
 

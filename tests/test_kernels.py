@@ -175,3 +175,46 @@ def test_an_unrolled_layer_scan_computes_the_same_model_on_the_same_params():
     np.testing.assert_allclose(got_cached, want_cached, rtol=0, atol=1e-5)
     for got_leaf, want_leaf in zip(jax.tree_util.tree_leaves(got_grads), jax.tree_util.tree_leaves(want_grads)):
         np.testing.assert_allclose(got_leaf, want_leaf, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("pattern, remat", [("S", False), ("SL", True)])
+def test_windowed_models_run_banded_kernels_equal_to_the_portable_ones(pattern, remat):
+    # 256 positions: the train step's query blocks without remat, two tiles under it; "SL" picks
+    # the banded or the causal kernel per block by the traced window (lax.cond).
+    cfg = dataclasses.replace(BASE, context_length=256, attention_window=48, window_pattern=pattern, remat=remat,
+                              position="rope")
+    tuned = choose_kernels(cfg, "cpu")
+    params = init_params(cfg, jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (2, cfg.context_length), 0, cfg.vocab_size)
+    cotangent = jax.random.normal(jax.random.key(2), (1, 2, cfg.context_length, cfg.vocab_size))
+    (want_logits, want_grads), (got_logits, got_grads) = jax.jit(
+        lambda p: (_outputs(cfg, PORTABLE, p, tokens, cotangent), _outputs(cfg, tuned, p, tokens, cotangent)))(params)
+    np.testing.assert_allclose(got_logits, want_logits, rtol=0, atol=1e-5)
+    for got, want in zip(jax.tree_util.tree_leaves(got_grads), jax.tree_util.tree_leaves(want_grads)):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * max(1.0, float(jnp.abs(want).max())))
+    # Neither kernel of the set (blocks, tiles) holds the whole [T, T] square of scores that XLA's
+    # masked attention, the set's fallback for windows, holds.
+    q = jnp.zeros((2, 256, 4, 8))
+    square = lambda attend: ",256,256]" in str(jax.make_jaxpr(
+        lambda q: attend(q, q[:, :, :2], q[:, :, :2], train=True, remat=remat, window=jnp.int32(48)))(q))
+    assert not square(tuned.attention) and square(choose_kernels(BASE, "cpu").attention)
+
+
+def test_gpu_windowed_blocks_ask_cudnn_for_its_sliding_window(monkeypatch, random_qkv):
+    from jaxgpt.kernels import gpu
+
+    calls = []
+
+    def recording(q, k, v, *, is_causal, implementation=None, local_window_size=None):
+        assert is_causal
+        calls.append((implementation, local_window_size))
+        return q
+
+    monkeypatch.setattr(jax.nn, "dot_product_attention", recording)
+    q, k, v = random_qkv(2, 16, 4, 2, 8, jnp.bfloat16)
+    window = jnp.int32(8)
+    gpu.windowed(8, True).attention(q, k, v, train=True, window=window)
+    assert calls == [("cudnn", (7, 0))]
+    calls.clear()
+    gpu.windowed(8, False).attention(q, k, v, train=True, window=window)  # both branches of the cond
+    assert sorted(calls, key=str) == [("cudnn", (7, 0)), ("cudnn", None)]

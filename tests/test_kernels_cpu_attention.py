@@ -70,3 +70,37 @@ def test_uneven_query_blocks_are_refused(random_qkv):
     q, k, v = random_qkv(1, 64, 2, 2, 8)
     with pytest.raises(ValueError, match="3 query blocks do not divide 64"):
         blocked_causal_attention(q, k, v, blocks=3)
+
+
+@pytest.mark.parametrize("T, K, tile, blocks, window", [
+    (64, 2, 16, None, 20),  # tiles: a window past one tile, so three distances of masks
+    (40, 1, 16, None, 16),  # a padded last tile, a window of exactly one tile
+    (64, 2, 16, None, 1),   # each query reads itself alone: rows with no key in their first tile
+    (64, 2, None, 8, 5),    # eight query blocks, each reading from 4 keys before its first query
+    (64, 2, None, None, 64),  # a window as long as the context: plain causal attention
+])
+def test_windowed_kernels_match_library_masked_attention_in_value_and_gradient(T, K, tile, blocks, window, random_qkv):
+    from jaxgpt.kernels import xla
+
+    q, k, v = random_qkv(2, T, 4, K, 8)
+    w = jax.random.normal(jax.random.key(3), q.shape)
+    ours = lambda q, k, v: blocked_causal_attention(q, k, v, tile=tile, blocks=blocks, window=window)
+    masked = lambda q, k, v: xla.attention(q, k, v, window=jnp.int32(window))
+    np.testing.assert_allclose(jax.jit(ours)(q, k, v), masked(q, k, v), rtol=1e-5, atol=1e-5)
+    grad = lambda f: jax.jit(jax.grad(lambda *qkv: jnp.sum(f(*qkv) * w), argnums=(0, 1, 2)))
+    for a, b in zip(grad(ours)(q, k, v), grad(masked)(q, k, v)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_a_window_leaves_the_tiles_and_keys_its_queries_reach():
+    from jaxgpt.kernels.cpu_attention import _tile_pairs, _window_pairs
+
+    # 4,096 positions in tiles of 128: 528 tile pairs causally. A window of W reaches back from
+    # a tile's first query to key tiles whose last key lies within W - 1: one tile back for W up
+    # to 129 (63 pairs), two up to 257 (93), three up to 385 (122).
+    assert len(_tile_pairs(32)[0]) == 528
+    assert [len(_window_pairs(32, 128, W)[0]) for W in (128, 129, 130, 257, 258, 4096)] == [63, 63, 93, 93, 122, 528]
+    # Each row's first pair is marked as its first: a row's running softmax starts there.
+    i, j, distance, first = (np.asarray(x).tolist() for x in _window_pairs(4, 16, 20))
+    assert list(zip(i, j)) == [(0, 0), (1, 0), (1, 1), (2, 0), (2, 1), (2, 2), (3, 1), (3, 2), (3, 3)]
+    assert distance == [0, 1, 0, 2, 1, 0, 2, 1, 0] and first == [1, 1, 0, 1, 0, 0, 1, 0, 0]

@@ -201,3 +201,27 @@ def test_splash_attention_with_segments_equals_the_portable_attention(random_qkv
         np.testing.assert_allclose(g, w, rtol=0, atol=bound, err_msg=name)
         np.testing.assert_allclose(m, w, rtol=0, atol=bound, err_msg=f"{name} on the mesh")
     assert np.abs(want - np.asarray(xla.attention(q, k, v))).max() > 1e-2  # the segments matter
+
+
+@pytest.mark.parametrize("window, every_block, segments", [(100, True, False), (128, False, True), (40, True, True)])
+def test_splash_local_mask_equals_the_portable_windowed_attention(random_qkv, window, every_block, segments):
+    """A windowed model's set: its windowed blocks run the kernel's local mask (with segment ids
+    where the rows are packed), its whole-context blocks the causal one, picked by the traced
+    window (lax.cond) where the pattern mixes them; output and gradients equal XLA's masked attention's."""
+    windowed = tpu.kernels(interpret=True, max_block=128, window=window, every_block=every_block)
+    q, k, v = random_qkv(2, 256, 4, 2, D)
+    ids = jnp.asarray(np.stack([np.repeat([0, 1], [90, 166]), np.repeat([4, 5, 6], [30, 200, 26])])) if segments else None
+    cotangent = jax.random.normal(jax.random.key(7), q.shape)
+
+    def run(attention, traced):
+        f = lambda q, k, v: attention(q, k, v, train=True, segment_ids=ids, window=jnp.int32(traced))
+        out, pullback = jax.vjp(f, q, k, v)
+        return out, pullback(cotangent)
+
+    cases = [window] + ([] if every_block else [0])  # a windowed block, and a whole-context one
+    outputs = jax.jit(lambda: [(run(windowed.attention, w), run(xla.attention, w)) for w in cases])()
+    for (got, got_grads), (want, want_grads) in jax.tree_util.tree_map(np.asarray, outputs, is_leaf=lambda x: isinstance(x, jax.Array)):
+        for name, g, w in [("out", got, want), *zip(("dq", "dk", "dv"), got_grads, want_grads)]:
+            np.testing.assert_allclose(g, w, rtol=0, atol=1e-5 * max(1.0, float(np.abs(w).max())), err_msg=name)
+    # The window matters.
+    assert np.abs(np.asarray(outputs[0][1][0]) - np.asarray(xla.attention(q, k, v, segment_ids=ids))).max() > 1e-2

@@ -1,6 +1,7 @@
 """jaxgpt with the speedrun switches equals the two references they come from: modded-nanogpt's
 model of January 2025 and nanochat's `GPT` (tests/speedrun_references.py rebuilds both in PyTorch
-float32), loaded with the same random weights, logits within 1e-4, scanned and unscanned.
+float32), loaded with the same random weights, logits within 1e-4, scanned and unscanned, and
+modded-nanogpt's on rows that pack several documents.
 
 Both references rotate by -theta where jaxgpt rotates by +theta; the scores depend only on the
 angle between a query and a key, so the import negates the second half of every query and key
@@ -23,7 +24,7 @@ import torch
 from speedrun_references import ModdedGPT, NanochatGPT
 
 from jaxgpt.config import ModelConfig
-from jaxgpt.model.decoder import forward, stack_blocks
+from jaxgpt.model.decoder import document_segments, forward, stack_blocks
 
 EPS = float(torch.finfo(torch.float32).eps)  # F.rms_norm's epsilon when none is given
 V, T, C, HEADS = 128, 32, 64, 4
@@ -105,6 +106,23 @@ def check_equal(cfg: ModelConfig, params: dict, ref: torch.nn.Module, seed: int)
 def test_equals_modded_nanogpt_of_january_2025():
     ref = randomised(ModdedGPT(V, MODDED.n_layers, HEADS, C, MODDED.value_embeds), seed=0)
     check_equal(MODDED, modded_params(ref, MODDED), ref, seed=1)
+
+
+def test_equals_modded_nanogpt_on_packed_documents():
+    """Rows that pack several documents (end-of-text tokens inside them): jaxgpt's segment ids,
+    counted as data.document_mask counts them, give modded-nanogpt's document mask. Its rotary
+    counts positions from the row's start, jaxgpt's from each document's: a rotary score reads
+    only the distance between query and key, the same both ways."""
+    eot = V - 1
+    ref = randomised(ModdedGPT(V, MODDED.n_layers, HEADS, C, MODDED.value_embeds), seed=4)
+    tokens = np.random.default_rng(5).integers(0, eot, (3, T))
+    tokens[0, [5, 17]] = tokens[1, 0] = tokens[2, [9, 10, 30]] = eot
+    with torch.no_grad():
+        want = ref(torch.from_numpy(tokens), eot).numpy()
+        plain = ref(torch.from_numpy(tokens)).numpy()
+    got = np.asarray(forward(modded_params(ref, MODDED), MODDED, tokens, segment_ids=document_segments(tokens, eot)))
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+    assert np.abs(plain - want).max() > 1e-2  # the documents matter
 
 
 def test_equals_nanochat_where_its_block_uses_jaxgpt_switches():

@@ -34,7 +34,7 @@ import numpy as np
 from jaxgpt.config import ModelConfig
 from jaxgpt.errors import UserError
 from jaxgpt.kernels import choose_kernels
-from jaxgpt.model.decoder import Params, forward, forward_cached, init_cache
+from jaxgpt.model.decoder import Params, document_segments, forward, forward_cached, init_cache
 from jaxgpt.process.dispatch import InFlight
 
 MIN_WIDTH = 16
@@ -83,7 +83,7 @@ def _sums(logits_BWV: jax.Array, targets_BW: jax.Array, scored_BW: jax.Array, vo
 @functools.partial(jax.jit, static_argnames=("cfg", "vocab_limit", "document_token"))
 def _score_rows(params: Params, tokens_BW: jax.Array, targets_BW: jax.Array, scored_BW: jax.Array, *,
                 cfg: ModelConfig, vocab_limit: int, document_token: int | None = None) -> tuple[jax.Array, jax.Array]:
-    segment_ids = None if document_token is None else jnp.cumsum(tokens_BW == document_token, axis=1)
+    segment_ids = None if document_token is None else document_segments(tokens_BW, document_token)
     logits_BWV = forward(params, cfg, tokens_BW, kernels=choose_kernels(cfg), segment_ids=segment_ids)
     return _sums(logits_BWV, targets_BW, scored_BW, vocab_limit)
 

@@ -62,19 +62,22 @@ def choose_kernels(model: ModelConfig, backend: str | None = None, *, interpret:
 def _choose(model: ModelConfig, backend: str, interpret: bool, device: jax.Device | None) -> Kernels:
     if model.kernels == "xla":
         return PORTABLE
+    W, every_block = model.attention_window, 0 not in model.block_windows()
     if backend == "cpu":  # plain XLA ops, which XLA CPU always compiles: no probe
         from jaxgpt.kernels import cpu
 
-        return cpu.BF16 if model.dtype == "bfloat16" else cpu.F32
+        kernels = cpu.BF16 if model.dtype == "bfloat16" else cpu.F32
+        return cpu.windowed(kernels, W, every_block) if W else kernels
     if backend == "gpu":
         from jaxgpt.kernels import gpu
 
-        return usable(gpu.KERNELS, model, device=device)
+        return usable(gpu.windowed(W, every_block) if W else gpu.KERNELS, model, device=device)
     if backend == "tpu":
         from jaxgpt.kernels import tpu
 
         # Probed at the whole context: the kernel's blocks follow the sequence length.
-        return usable(tpu.kernels(interpret=interpret), model, COMPILE_ERRORS + tpu.LOWERING_ERRORS,
+        return usable(tpu.kernels(interpret=interpret, window=W, every_block=every_block), model,
+                      COMPILE_ERRORS + tpu.LOWERING_ERRORS,
                       probe_length=model.context_length, device=device)
     return PORTABLE
 
@@ -85,9 +88,9 @@ choose_kernels.cache_clear = _choose.cache_clear  # every choice made anew (test
 def usable(kernels: Kernels, model: ModelConfig, errors: tuple[type[BaseException], ...] = COMPILE_ERRORS,
            probe_length: int = 256, device: jax.Device | None = None) -> Kernels:
     """`kernels` if its attention compiles, forward and backward, at the model's head shape
-    (one sequence of up to `probe_length` positions) for `device` (default: this backend's);
-    else the portable kernels, with one warning line. `errors`: what compiling raises where the
-    kernel cannot run."""
+    (one sequence of up to `probe_length` positions; a windowed model's blocks both whole and
+    windowed) for `device` (default: this backend's); else the portable kernels, with one warning
+    line. `errors`: what compiling raises where the kernel cannot run."""
     dtype = jnp.bfloat16 if model.dtype == "bfloat16" else jnp.float32
     T, H, K, D = min(model.context_length, probe_length), model.n_heads, model.kv_heads, model.head_size
     placed = {} if device is None else {"sharding": jax.sharding.SingleDeviceSharding(device)}
@@ -95,7 +98,11 @@ def usable(kernels: Kernels, model: ModelConfig, errors: tuple[type[BaseExceptio
     kv = jax.ShapeDtypeStruct((1, T, K, D), dtype, **placed)
 
     def loss(q, k, v):
-        return kernels.attention(q, k, v, train=True, remat=model.remat != "none").astype(jnp.float32).sum()
+        attend = functools.partial(kernels.attention, q, k, v, train=True, remat=model.remat != "none")
+        total = attend().astype(jnp.float32).sum()
+        if model.attention_window:
+            total = total + attend(window=jnp.asarray(model.attention_window, jnp.int32)).astype(jnp.float32).sum()
+        return total
 
     try:
         jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv).compile()

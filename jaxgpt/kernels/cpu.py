@@ -9,6 +9,7 @@ no bfloat16 arithmetic, so activations stay float32 and only matmul operands are
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -43,13 +44,14 @@ def _einsum_f32(spec: str) -> Any:
 
 
 def f32_attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, *, train: bool = False,
-                  remat: bool = False) -> jax.Array:
+                  remat: bool = False, window: int = 0) -> jax.Array:
     """Query blocks (`causal_query_blocks`), or flash-style tiles under remat and for a train
-    step's long contexts, where they bound what the backward pass holds."""
+    step's long contexts, where they bound what the backward pass holds; with a static `window`,
+    each skipping the keys wholly before it."""
     B, T, H, _ = q_BTHD.shape
     tiled = remat or (train and T >= TILED_TRAIN_CONTEXT)
     return blocked_causal_attention(q_BTHD, k_BTKD, v_BTKD, tile=REMAT_TILE if tiled else None,
-                                    blocks=causal_query_blocks(T, None if train else B * H))
+                                    blocks=causal_query_blocks(T, None if train else B * H), window=window)
 
 
 def bf16_attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, *, train: bool = False,
@@ -154,7 +156,8 @@ SCAN_REMAT_POLICY = _policies.save_from_both_policies(
 DOTS_REMAT_POLICY = _policies.save_from_both_policies(
     _policies.dots_with_no_batch_dims_saveable, _policies.save_only_these_names(*BF16_MATMUL_SAVED))
 
-# The blocked kernels know only the causal mask: packed rows and windows take XLA's masked attention.
+# The blocked kernels know only the causal mask and a static window (`windowed`): packed rows, and
+# windows of a set not built for one, take XLA's masked attention.
 F32 = Kernels(
     name="cpu", dot_general=flat_dot_general, attention=xla.masks_by_xla(f32_attention), tied_logits=f32_tied_logits,
     untied_logits=f32_untied_logits, gelu=gelu_tanh, scan_remat_policy=SCAN_REMAT_POLICY,
@@ -165,3 +168,13 @@ BF16 = dataclasses.replace(
     F32, name="cpu-bf16", dot_general=cpu_bf16_dot_general, attention=xla.masks_by_xla(bf16_attention),
     tied_logits=bf16_tied_logits, untied_logits=bf16_untied_logits,
 )
+
+
+@functools.lru_cache(maxsize=None)
+def windowed(kernels: Kernels, size: int, every_block: bool) -> Kernels:
+    """`kernels` (`F32` or `BF16`) for a model whose windowed blocks read their last `size` keys:
+    those blocks run the blocked and tiled kernels built for that window, which skip the keys
+    wholly before it (float32 scores, whatever the operands); packed rows stay on XLA's masked
+    attention. `every_block`: no block reads the whole context (see `xla.with_banded`)."""
+    banded = functools.partial(f32_attention, window=size)
+    return dataclasses.replace(kernels, attention=xla.with_banded(kernels.attention, banded, every_block))

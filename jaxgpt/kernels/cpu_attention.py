@@ -14,6 +14,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 # Query and key tile of the tiled attention: under `model.remat` (in bfloat16 only from
 # TILED_TRAIN_CONTEXT positions on), and for a float32 train step from
@@ -41,7 +42,7 @@ def causal_query_blocks(T: int, forward_rows: int | None = None) -> int:
 
 
 def blocked_causal_attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array,
-                             tile: int | None = None, blocks: int | None = None) -> jax.Array:
+                             tile: int | None = None, blocks: int | None = None, window: int = 0) -> jax.Array:
     """Causal attention that skips most of the masked upper triangle (the CPU path).
 
     Equal to `jax.nn.dot_product_attention(q, k, v, is_causal=True)` up to float rounding. The
@@ -54,22 +55,28 @@ def blocked_causal_attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.A
     spans more than one tile, `tiled_causal_attention` holds one [tile, tile] block of scores at
     a time, forward and backward, instead of the whole [T, T] triangle. (Within one tile the
     blocks above skip more.)
+
+    `window` (a static W; 0: none): the query at t reads keys t - W + 1 .. t only, and both forms
+    skip what lies wholly before it too: a query block reads only from W - 1 keys before its
+    first query, the tiles only the key tiles that reach into some query's window, so the work
+    follows T W rather than T².
     """
     B, T, H, D = q_BTHD.shape
     K = k_BTKD.shape[2]
     q_BTKGD = (q_BTHD * jnp.asarray(D**-0.5, q_BTHD.dtype)).reshape(B, T, K, H // K, D)
     if tile and T > tile:
-        return tiled_causal_attention(q_BTKGD, k_BTKD, v_BTKD, tile).reshape(B, T, H, D)
+        return tiled_causal_attention(q_BTKGD, k_BTKD, v_BTKD, tile, window).reshape(B, T, H, D)
     n = blocks or causal_query_blocks(T)
     if T % n:
         raise ValueError(f"{n} query blocks do not divide {T} positions")
     size = T // n
     outs = []
     for i in range(n):
-        S = (i + 1) * size  # keys this block may read
-        scores = _causal_mask(_scores(q_BTKGD[:, i * size: S], k_BTKD[:, :S]), i * size)
+        S = (i + 1) * size  # keys this block may read: from the first its first query's window holds
+        first = max(0, i * size - window + 1) if window else 0
+        scores = _causal_mask(_scores(q_BTKGD[:, i * size: S], k_BTKD[:, first:S]), i * size - first, window)
         probs = jax.nn.softmax(scores, axis=-1)
-        outs.append(jnp.einsum("bkgts,bskd->btkgd", probs.astype(v_BTKD.dtype), v_BTKD[:, :S]))
+        outs.append(jnp.einsum("bkgts,bskd->btkgd", probs.astype(v_BTKD.dtype), v_BTKD[:, first:S]))
     return jnp.concatenate(outs, axis=1).reshape(B, T, H, D)
 
 
@@ -77,10 +84,13 @@ def _scores(q_BTKGD: jax.Array, k_BSKD: jax.Array) -> jax.Array:
     return jnp.einsum("btkgd,bskd->bkgts", q_BTKGD, k_BSKD, preferred_element_type=jnp.float32)
 
 
-def _causal_mask(scores_BKGTS: jax.Array, offset: int) -> jax.Array:
-    """-inf where key s lies after query t, the queries starting `offset` after the keys."""
+def _causal_mask(scores_BKGTS: jax.Array, offset: int, window: int = 0) -> jax.Array:
+    """-inf where key s lies after query t, the queries starting `offset` after the keys; with a
+    `window`, also where it lies `window` or more positions before."""
     T, S = scores_BKGTS.shape[-2:]
     allowed_TS = jnp.arange(S)[None, :] <= offset + jnp.arange(T)[:, None]
+    if window:
+        allowed_TS = allowed_TS & (offset + jnp.arange(T)[:, None] - jnp.arange(S)[None, :] < window)
     return jnp.where(allowed_TS, scores_BKGTS, -jnp.inf)
 
 
@@ -93,7 +103,8 @@ def _tile_scores(q_BTKGD: jax.Array, k_BTKD: jax.Array, diagonal: jax.Array) -> 
     return jax.lax.select(diagonal, _causal_mask(scores, 0), scores)
 
 
-def tiled_causal_attention(q_BTKGD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, tile: int) -> jax.Array:
+def tiled_causal_attention(q_BTKGD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, tile: int,
+                           window: int = 0) -> jax.Array:
     """Causal attention over [tile, tile] blocks with an online softmax (FlashAttention's scheme).
 
     q is already scaled. T is padded to a multiple of the tile; query tile i meets key tiles
@@ -103,6 +114,9 @@ def tiled_causal_attention(q_BTKGD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Ar
     and it drops optimization barriers, so a checkpoint's recomputation is merged with the
     forward's. The backward (`_tiled_bwd`) recomputes each tile's probabilities from the saved
     log-sum-exp, so it keeps only q, k, v, the output and [B, K, G, T] statistics.
+
+    With a `window`, query tile i meets only the key tiles from the first that holds a key of
+    some query's window (`_window_pairs`), so the steps follow T W / tile².
     """
     T = q_BTKGD.shape[1]
     pad = -T % tile
@@ -110,13 +124,53 @@ def tiled_causal_attention(q_BTKGD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Ar
         # are sliced off below, so their cotangents, and all they add to dk and dv, are zero
         widen = lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
         q_BTKGD, k_BTKD, v_BTKD = widen(q_BTKGD), widen(k_BTKD), widen(v_BTKD)
-    return _tiled(q_BTKGD, k_BTKD, v_BTKD, tile)[:, :T]
+    return _tiled(q_BTKGD, k_BTKD, v_BTKD, tile, window)[:, :T]
 
 
 def _tile_pairs(n: int) -> tuple[jax.Array, jax.Array]:
     """(query tile, key tile) of every tile on or below the diagonal, row by row."""
     rows = [(i, j) for i in range(n) for j in range(i + 1)]
     return jnp.array([i for i, _ in rows]), jnp.array([j for _, j in rows])
+
+
+def _window_masks(tile: int, window: int) -> list[np.ndarray | None]:
+    """The masks a window's tile pairs take, by their distance d = i - j in tiles: d = 0 the
+    causal and window masks, further back the window's alone, None where every key is in every
+    query's window. Constants, picked by a scalar per step (see `_tile_scores`)."""
+    masks = []
+    for d in range(-(-window // tile) + 1):
+        distance = d * tile + np.arange(tile)[:, None] - np.arange(tile)[None, :]
+        allowed = (distance >= 0) & (distance < window)
+        masks.append(None if allowed.all() else allowed)
+    return masks
+
+
+def _window_pairs(n: int, tile: int, window: int) -> tuple[jax.Array, ...]:
+    """(query tile, key tile, which mask of `_window_masks`, whether the key tile is its row's
+    first) of every tile pair that holds a key within some query's window, row by row: key tile
+    j reaches query tile i's first query when (i - j - 1) tile + 1 < window."""
+    rows = [(i, j) for i in range(n) for j in range(i + 1) if (i - j - 1) * tile + 1 < window]
+    firsts = {i: min(j for r, j in rows if r == i) for i in range(n)}
+    return (jnp.array([i for i, _ in rows]), jnp.array([j for _, j in rows]),
+            jnp.array([i - j for i, j in rows]), jnp.array([j == firsts[i] for i, j in rows]))
+
+
+def _window_tile_scores(q_BTKGD: jax.Array, k_BTKD: jax.Array, distance: jax.Array, tile: int,
+                        window: int) -> jax.Array:
+    """`_tile_scores` for a window: the mask of the pair's distance, picked among constants."""
+    scores = _scores(q_BTKGD, k_BTKD)
+    cases = [scores if mask is None else jnp.where(mask, scores, -jnp.inf) for mask in _window_masks(tile, window)]
+    return jax.lax.select_n(distance, *cases) if len(cases) > 1 else cases[0]
+
+
+def _pairs(n: int, tile: int, window: int) -> tuple[jax.Array, ...]:
+    return _window_pairs(n, tile, window) if window else _tile_pairs(n)
+
+
+def _pair_scores(q: jax.Array, k: jax.Array, pair: tuple[jax.Array, ...], tile: int, window: int) -> jax.Array:
+    if window:
+        return _window_tile_scores(q, k, pair[2], tile, window)
+    return _tile_scores(q, k, pair[0] == pair[1])
 
 
 def _slice(x: jax.Array, i: Any, tile: int, axis: int = 1) -> jax.Array:
@@ -127,24 +181,27 @@ def _add_slice(x: jax.Array, update: jax.Array, i: Any, tile: int, axis: int = 1
     return jax.lax.dynamic_update_slice_in_dim(x, _slice(x, i, tile, axis) + update, i * tile, axis)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _tiled(q_BTKGD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, tile: int) -> jax.Array:
-    return _tiled_fwd(q_BTKGD, k_BTKD, v_BTKD, tile)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _tiled(q_BTKGD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, tile: int, window: int) -> jax.Array:
+    return _tiled_fwd(q_BTKGD, k_BTKD, v_BTKD, tile, window)[0]
 
 
-def _tiled_fwd(q_BTKGD, k_BTKD, v_BTKD, tile):
+def _tiled_fwd(q_BTKGD, k_BTKD, v_BTKD, tile, window):
     B, T, K, G, D = q_BTKGD.shape
     f32 = jnp.float32
 
     def step(carry, ij):
         m_BKGT, l_BKGT, acc_BTKGD, out_BTKGD, lse_BKGT = carry
-        i, j = ij
-        scores = _tile_scores(_slice(q_BTKGD, i, tile), _slice(k_BTKD, j, tile), i == j)
-        first = j == 0  # a new query tile: start its running max, sum and output afresh
+        i, j = ij[:2]
+        scores = _pair_scores(_slice(q_BTKGD, i, tile), _slice(k_BTKD, j, tile), ij, tile, window)
+        # A new query tile: start its running max, sum and output afresh.
+        first = ij[3] if window else j == 0
         m_old = jnp.where(first, -jnp.inf, m_BKGT)
-        m_new = jnp.maximum(m_old, scores.max(-1))  # finite: key 0 precedes every query
-        p = jnp.exp(scores - m_new[..., None])
-        rescale = jnp.exp(m_old - m_new)
+        m_new = jnp.maximum(m_old, scores.max(-1))  # finite without a window: key 0 precedes every query
+        # A window can leave a query no key in its row's first tiles: its max is still -inf there.
+        shift = jnp.where(m_new == -jnp.inf, 0.0, m_new) if window else m_new
+        p = jnp.exp(scores - shift[..., None])
+        rescale = jnp.exp(m_old - shift)
         l_BKGT = jnp.where(first, 0.0, l_BKGT) * rescale + p.sum(-1)
         pv = jnp.einsum("bkgts,bskd->btkgd", p.astype(v_BTKD.dtype), _slice(v_BTKD, j, tile),
                         preferred_element_type=f32)
@@ -159,11 +216,11 @@ def _tiled_fwd(q_BTKGD, k_BTKD, v_BTKD, tile):
     row = jnp.zeros((B, K, G, tile), f32)
     init = (row, row, jnp.zeros((B, tile, K, G, D), f32), jnp.zeros_like(q_BTKGD),
             jnp.zeros((B, K, G, T), f32))
-    (_, _, _, out_BTKGD, lse_BKGT), _ = jax.lax.scan(step, init, _tile_pairs(T // tile))
+    (_, _, _, out_BTKGD, lse_BKGT), _ = jax.lax.scan(step, init, _pairs(T // tile, tile, window))
     return out_BTKGD, (q_BTKGD, k_BTKD, v_BTKD, out_BTKGD, lse_BKGT)
 
 
-def _tiled_bwd(tile, residuals, g_BTKGD):
+def _tiled_bwd(tile, window, residuals, g_BTKGD):
     q_BTKGD, k_BTKD, v_BTKD, out_BTKGD, lse_BKGT = residuals
     f32 = jnp.float32
     # Softmax backward: dS = P (dP - rowsum(dP P)), and rowsum(dP P) = rowsum(g out).
@@ -171,10 +228,10 @@ def _tiled_bwd(tile, residuals, g_BTKGD):
 
     def step(carry, ij):
         dq_BTKGD, dk_BTKD, dv_BTKD = carry
-        i, j = ij
+        i, j = ij[:2]
         q, g, k, v = (_slice(q_BTKGD, i, tile), _slice(g_BTKGD, i, tile),
                       _slice(k_BTKD, j, tile), _slice(v_BTKD, j, tile))
-        p = jnp.exp(_tile_scores(q, k, i == j) - _slice(lse_BKGT, i, tile, 3)[..., None])
+        p = jnp.exp(_pair_scores(q, k, ij, tile, window) - _slice(lse_BKGT, i, tile, 3)[..., None])
         dp = jnp.einsum("btkgd,bskd->bkgts", g, v, preferred_element_type=f32)
         ds = p * (dp - _slice(delta_BKGT, i, tile, 3)[..., None])
         dv = jnp.einsum("bkgts,btkgd->bskd", p.astype(g.dtype), g, preferred_element_type=f32)
@@ -185,7 +242,7 @@ def _tiled_bwd(tile, residuals, g_BTKGD):
 
     zeros = lambda x: jnp.zeros(x.shape, f32)
     init = (zeros(q_BTKGD), zeros(k_BTKD), zeros(v_BTKD))
-    (dq, dk, dv), _ = jax.lax.scan(step, init, _tile_pairs(q_BTKGD.shape[1] // tile))
+    (dq, dk, dv), _ = jax.lax.scan(step, init, _pairs(q_BTKGD.shape[1] // tile, tile, window))
     return dq.astype(q_BTKGD.dtype), dk.astype(k_BTKD.dtype), dv.astype(v_BTKD.dtype)
 
 

@@ -20,28 +20,32 @@ import jax
 import jax.numpy as jnp
 
 from jaxgpt.kernels import xla
-from jaxgpt.kernels.base import per_device
+from jaxgpt.kernels.base import Kernels, per_device
 from jaxgpt.kernels.head_loss import mean_head_loss
 
 
 def causal_attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, *, train: bool = False,
-                     remat: bool = False, mesh: Any = None, axes: tuple[str, ...] | None = None) -> jax.Array:
+                     remat: bool = False, mesh: Any = None, axes: tuple[str, ...] | None = None,
+                     window: int = 0) -> jax.Array:
     """cuDNN's attention in 16-bit dtypes (with `mesh`, run per device on its rows: cuDNN's own
-    partitioner fails under FSDP), XLA's in float32."""
+    partitioner fails under FSDP), XLA's in float32; with a static `window`, cuDNN's sliding
+    window (the query at t reads keys t - window + 1 .. t), which skips the blocks before it."""
     if q_BTHD.dtype not in (jnp.bfloat16, jnp.float16):  # cuDNN's flash kernel has no float32
-        return xla.attention(q_BTHD, k_BTKD, v_BTKD)
-    attend = functools.partial(jax.nn.dot_product_attention, is_causal=True, implementation="cudnn")
+        return xla.attention(q_BTHD, k_BTKD, v_BTKD, window=window or None)
+    local = {"local_window_size": (window - 1, 0)} if window else {}
+    attend = functools.partial(jax.nn.dot_product_attention, is_causal=True, implementation="cudnn", **local)
     return (attend if mesh is None else per_device(attend, mesh, axes))(q_BTHD, k_BTKD, v_BTKD)
 
 
 @functools.lru_cache(maxsize=None)
 def _portable_for_masks() -> None:
-    """One warning line a process: jaxgpt hands cuDNN's kernel no segment or window mask yet."""
+    """One warning line a process: jaxgpt hands cuDNN's kernel no segment mask (its packed layout
+    wants each row's segment offsets, at most a static count of them)."""
     logging.getLogger("jaxgpt.kernels").warning(
-        "jaxgpt: packed rows (segment_ids) and attention windows run XLA's attention on the GPU, not cuDNN's")
+        "jaxgpt: packed rows (segment_ids) run XLA's attention on the GPU, not cuDNN's")
 
 
-# `causal_attention`, with packed rows and windows on XLA's masked attention.
+# `causal_attention`, with packed rows (and windows outside `windowed`) on XLA's masked attention.
 attention = xla.masks_by_xla(causal_attention, _portable_for_masks)
 
 
@@ -52,3 +56,13 @@ attention = xla.masks_by_xla(causal_attention, _portable_for_masks)
 KERNELS = dataclasses.replace(xla.KERNELS, name="gpu", attention=attention, head_loss=mean_head_loss, scan_unroll=1 << 30,
                               recompute_elementwise=False,
                               mesh_attention=lambda mesh, axes: functools.partial(attention, mesh=mesh, axes=axes))
+
+
+@functools.lru_cache(maxsize=None)
+def windowed(size: int, every_block: bool) -> Kernels:
+    """The set for a model whose windowed blocks read their last `size` keys: those blocks run
+    cuDNN's sliding window (see `xla.with_banded` for `every_block`)."""
+    windowed_attention = xla.with_banded(attention, functools.partial(causal_attention, window=size), every_block)
+    return dataclasses.replace(
+        KERNELS, attention=windowed_attention,
+        mesh_attention=lambda mesh, axes: functools.partial(windowed_attention, mesh=mesh, axes=axes))

@@ -19,6 +19,11 @@ only q, k, v, the output and a log-sum-exp per row for the backward pass. Here:
   are dropped. The queries are scaled by D^-1/2 first: the kernel does not scale.
 * Packed rows (`forward(segment_ids=...)`) hand their ids to the kernel's own segment mask;
   padded positions form a segment of their own.
+* A windowed model's set (`kernels(window=W)`) builds its windowed blocks' kernel on the
+  kernel's local mask (keys t - W + 1 .. t), whose block tables skip every block wholly before
+  the window, with segment ids too. Its block is at most W rounded up to the lanes, so a row of
+  query blocks meets at most two key blocks at a time in the band: at 8,192 positions and W 512,
+  2 of 16.
 * Under a device mesh (`Kernels.on_mesh`) the kernel runs per device inside `shard_map` over the
   batch axes: XLA's partitioner cannot split a Pallas kernel.
 
@@ -67,14 +72,17 @@ def splash_layout(T: int, max_block: int = MAX_BLOCK) -> tuple[int, int]:
     return padded, block
 
 
-def _splash(padded: int, block: int, heads: int, mqa: bool, interpret: bool) -> Callable[..., Any]:
-    """The causal kernel for one sequence: (q [H, T, D], k and v [K, T, D], or [T, D] for MQA).
+def _splash(padded: int, block: int, heads: int, mqa: bool, interpret: bool, window: int = 0) -> Callable[..., Any]:
+    """The causal kernel for one sequence: (q [H, T, D], k and v [K, T, D], or [T, D] for MQA);
+    with a `window`, the local one (the query at t reads keys t - window + 1 .. t).
 
     Built anew by every trace that asks, as MaxText builds it: the kernel holds its block tables
     as arrays of the trace that makes it, so one kept across traces leaks the values of a
     gradient's partial evaluation into the next program (the sampler's, at lengths the probe does
     not compile). jax keeps the costly part, the masks' block tables, in its own cache."""
-    mask = splash_mask.MultiHeadMask([splash_mask.CausalMask((padded, padded)) for _ in range(heads)])
+    one = (splash_mask.LocalMask((padded, padded), (window - 1, 0), offset=0) if window
+           else splash_mask.CausalMask((padded, padded)))
+    mask = splash_mask.MultiHeadMask([one for _ in range(heads)])
     sizes = splash_kernel.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
                                      block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block,
                                      block_kv_dq=block)
@@ -85,15 +93,16 @@ def _splash(padded: int, block: int, heads: int, mqa: bool, interpret: bool) -> 
 
 
 def splash_attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, segment_ids_BT: jax.Array | None = None,
-                     *, interpret: bool = False, max_block: int = MAX_BLOCK) -> jax.Array:
+                     *, interpret: bool = False, max_block: int = MAX_BLOCK, window: int = 0) -> jax.Array:
     """Causal attention through the splash kernel: `xla.attention`'s result, [B, T, H, D]; with
-    `segment_ids_BT`, the kernel's own segment mask (its blocks wholly across segments still run)."""
+    `segment_ids_BT`, the kernel's own segment mask (its blocks wholly across segments still run);
+    with a static `window`, its local mask, in blocks of at most the window (see above)."""
     if SPLASH_MISSING:
         raise NotImplementedError(SPLASH_MISSING)
     B, T, H, D = q_BTHD.shape
     K = k_BTKD.shape[2]
-    padded, block = splash_layout(T, max_block)
-    kernel = _splash(padded, block, H, K == 1, interpret)
+    padded, block = splash_layout(T, min(max_block, -(-window // LANES) * LANES) if window else max_block)
+    kernel = _splash(padded, block, H, K == 1, interpret, window)
 
     def heads_major(x_BTND: jax.Array) -> jax.Array:  # [B, T, N, D] -> [B, N, padded, D]
         return jnp.pad(x_BTND, ((0, 0), (0, padded - T), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
@@ -114,22 +123,28 @@ def splash_attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, se
 def attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, *, train: bool = False,
               remat: bool = False, segment_ids: jax.Array | None = None, window: jax.Array | None = None,
               interpret: bool = False, max_block: int = MAX_BLOCK, mesh: Any = None,
-              axes: tuple[str, ...] | None = None) -> jax.Array:
+              axes: tuple[str, ...] | None = None, band: int = 0) -> jax.Array:
     """Splash attention from `SPLASH_MIN_CONTEXT` positions on, else XLA's, each with
-    `segment_ids` where given; XLA's with a `window` (the kernel here is built causal only); with
-    `mesh`, each device runs the kernel on its share of the batch. `train` and `remat` change
-    nothing here."""
+    `segment_ids` where given and the static window `band` (a windowed set's kernel for its
+    windowed blocks); XLA's with a traced `window` (`kernels(window=...)` builds the kernel for
+    one); with `mesh`, each device runs the kernel on its share of the batch. `train` and `remat`
+    change nothing here."""
     if q_BTHD.shape[1] < SPLASH_MIN_CONTEXT or window is not None:
+        window = band or window
         return xla.attention(q_BTHD, k_BTKD, v_BTKD, segment_ids=segment_ids, window=window)
-    attend = functools.partial(splash_attention, interpret=interpret, max_block=max_block)
+    attend = functools.partial(splash_attention, interpret=interpret, max_block=max_block, window=band)
     arrays = (q_BTHD, k_BTKD, v_BTKD) + (() if segment_ids is None else (segment_ids,))
     return (attend if mesh is None else per_device(attend, mesh, axes, inputs=len(arrays)))(*arrays)
 
 
 @functools.lru_cache(maxsize=None)
-def kernels(interpret: bool = False, max_block: int = MAX_BLOCK) -> Kernels:
-    """The TPU set; `interpret`: the Pallas kernels in interpret mode (the CPU runs them)."""
+def kernels(interpret: bool = False, max_block: int = MAX_BLOCK, window: int = 0, every_block: bool = True) -> Kernels:
+    """The TPU set; `interpret`: the Pallas kernels in interpret mode (the CPU runs them);
+    `window`: a windowed model's, whose windowed blocks run the local mask (`every_block`: no
+    block reads the whole context, see `xla.with_banded`)."""
     attend = functools.partial(attention, interpret=interpret, max_block=max_block)
+    if window:
+        attend = xla.with_banded(attend, functools.partial(attend, band=window), every_block, segments=True)
     return dataclasses.replace(
         xla.KERNELS, name="tpu-interpret" if interpret else "tpu", attention=attend, head_loss=mean_head_loss,
         mesh_attention=lambda mesh, axes: functools.partial(attend, mesh=mesh, axes=axes))

@@ -43,6 +43,28 @@ def masks_by_xla(attend: Callable[..., Any], on_mask: Callable[[], None] | None 
     return masked
 
 
+def with_banded(attend: Callable[..., Any], banded: Callable[..., Any], every_block: bool,
+                segments: bool = False) -> Callable[..., Any]:
+    """`attend` (a set's attention, with `masks_by_xla`'s arguments) whose windowed calls run
+    `banded`, a kernel built for the model's window (static, so that it skips what the window
+    masks); those with segment ids too where `segments` says it takes them. A block's window
+    arrives traced from the per-layer table, the window or 0: where `every_block` has the window,
+    every windowed call is banded; else `lax.cond` picks by the value, both kernels compiled into
+    the one scanned layer."""
+    @functools.wraps(attend)
+    def attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, *, segment_ids: jax.Array | None = None,
+                  window: jax.Array | None = None, **options: Any) -> jax.Array:
+        if window is None or (segment_ids is not None and not segments):
+            return attend(q_BTHD, k_BTKD, v_BTKD, segment_ids=segment_ids, window=window, **options)
+        if segment_ids is not None:
+            options = dict(options, segment_ids=segment_ids)
+        if every_block:
+            return banded(q_BTHD, k_BTKD, v_BTKD, **options)
+        return jax.lax.cond(window == 0, lambda *qkv: attend(*qkv, **options), lambda *qkv: banded(*qkv, **options),
+                            q_BTHD, k_BTKD, v_BTKD)
+    return attention
+
+
 def in_window(T: int, window: jax.Array, offset: jax.Array | int = 0, keys: int | None = None) -> jax.Array:
     """[1, 1, T, S] (S = `keys`, default T): whether key s is within `window` of query t, the
     queries at positions offset + t (0 for every t of a window of 0: the whole context). Causality

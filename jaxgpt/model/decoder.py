@@ -99,7 +99,7 @@ class Decoder(nn.Module):
         if document_token is not None:
             floors_BT = document_floors(token_ids_BT, document_token, cache["index"], cache["floor"])
             if fresh:  # among the new tokens alone: the packed rows' masks and positions
-                segment_ids = jnp.cumsum(token_ids_BT == document_token, axis=1)
+                segment_ids = document_segments(token_ids_BT, document_token)
         if segment_ids is not None:
             segment_ids, positions_BT = segment_runs(segment_ids)
         elif cache is None:
@@ -196,6 +196,12 @@ class Decoder(nn.Module):
                     new_v.append(layer_kv[1])
             kv = (jnp.stack(new_k), jnp.stack(new_v)) if new_k else None
         return (carry[0] if cfg.unet_skips else carry), kv
+
+
+def document_segments(token_ids_BT: jax.Array, document_token: int) -> jax.Array:
+    """[B, T] segment ids of rows that pack documents, as data.document_mask counts them: the
+    end-of-text tokens up to each position (the token opens the document after it)."""
+    return jnp.cumsum(token_ids_BT == document_token, axis=1)
 
 
 def segment_runs(segment_ids_BT: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -71,10 +71,8 @@ def layer_table(cfg: ModelConfig, skip_weights: jax.Array | None) -> dict[str, j
 
 
 def window_plan(cfg: ModelConfig) -> np.ndarray:
-    """Per layer: its attention window, model.window_pattern cycled over the blocks (S: the
-    window, L: 0, the whole context)."""
-    pattern = cfg.window_pattern * -(-cfg.n_layers // len(cfg.window_pattern))
-    return np.array([cfg.attention_window if letter == "S" else 0 for letter in pattern[:cfg.n_layers]], np.int32)
+    """Per layer: its attention window (`ModelConfig.block_windows`), as the table holds it."""
+    return np.array(cfg.block_windows(), np.int32)
 
 
 def empty_skips(cfg: ModelConfig, x_BTC: jax.Array) -> jax.Array:
