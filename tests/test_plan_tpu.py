@@ -68,11 +68,17 @@ def test_a_slice_of_many_hosts_says_its_processes_and_the_rows_each_reads():
     assert record["mesh"] == {"data": 4, "fsdp": 4} and record["fits"] is True
 
 
+# Long-short windows over packed documents: splash's local mask with segment ids, and its causal
+# mask, both in the one scanned layer (lax.cond).
+WINDOWED = attention("gqa", 512, 64, "bfloat16", "model.n_layers=2", "model.position=rope", "model.attention_window=128",
+                     "model.window_pattern=SL", "data.document_mask=true")
+
+
 @pytest.fixture(scope="module")
 def every_program():
     """One compile process for every program (train, eval, the sampler) on one v5e chip: a plain
-    model, then the speedrun block."""
-    return planning.plans([attention("mha", 256, 64, "bfloat16"), SPEEDRUN_BLOCK], "v5e-1")
+    model, the speedrun block, a long-short windowed model over packed documents."""
+    return planning.plans([attention("mha", 256, 64, "bfloat16"), SPEEDRUN_BLOCK, WINDOWED], "v5e-1")
 
 
 def test_every_program_dry_run_compiles_builds_the_splash_kernel_in_the_trace_that_asks(every_program):
@@ -86,6 +92,14 @@ def test_every_program_dry_run_compiles_builds_the_splash_kernel_in_the_trace_th
 
 def test_the_speedrun_block_compiles_every_program_with_splash_attention(every_program):
     record = every_program[1]
+    assert "failure" not in record, record.get("failure")
+    assert record["kernels"] == "tpu" and record["fits"] is True
+    for program in (record["compiled"], record["compiled"]["eval"], record["compiled"]["decode"]):
+        assert "tpu_custom_call" in program["custom_calls"]
+
+
+def test_a_long_short_windowed_model_compiles_every_program_with_splash_attention(every_program):
+    record = every_program[2]
     assert "failure" not in record, record.get("failure")
     assert record["kernels"] == "tpu" and record["fits"] is True
     for program in (record["compiled"], record["compiled"]["eval"], record["compiled"]["decode"]):

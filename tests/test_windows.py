@@ -11,6 +11,7 @@ from conftest import SPEEDRUN
 
 from jaxgpt.config import ConfigError, load_config
 from jaxgpt.errors import UserError
+from jaxgpt.evaluation import generate as generate_module
 from jaxgpt.evaluation.generate import generate, lower_decoding
 from jaxgpt.kernels import PORTABLE, choose_kernels
 from jaxgpt.model.decoder import forward, forward_cached, init_cache, init_params
@@ -105,6 +106,41 @@ def test_a_windowed_model_decodes_past_its_context_on_a_ring_of_its_window():
     long_short, _ = model("model.position=rope", "model.attention_window=4", "model.window_pattern=SL")
     with pytest.raises(UserError, match=r"a ring cache needs every block windowed"):
         init_cache(long_short, 1, 4, ring=True)
+    with pytest.raises(UserError, match=r"window_slots=\.\.\.\) needs whole-context and windowed blocks both"):
+        init_cache(cfg, 1, 4, window_slots=4)
+
+
+@pytest.mark.parametrize("scan", [True, False])
+def test_a_long_short_model_caches_each_block_as_far_as_it_reads(monkeypatch, scan):
+    """Pattern SSL, W 4, learned positions: the whole-context block keeps the context, the two
+    windowed ones rings of W slots (plus the draft's, when speculative); cached passes equal the forward pass, and
+    the sampler's tokens equal those it decodes with whole-context caches for every block, plain,
+    speculative and by documents, through slides past the context."""
+    cfg, params = model("model.n_layers=3", "model.attention_window=4", "model.window_pattern=SSL", "model.mtp_depth=1",
+                        f"model.scan_layers={str(scan).lower()}")
+    state = lower_decoding(params, cfg, max_new_tokens=100)["advance"].args_info[0][1]
+    cache = jax.tree_util.tree_map(lambda x: x.shape, state["cache"])
+    assert cache["k"] == (1, 1, 32, 4, 8) and cache["ring"]["k"] == (2, 1, 4, 4, 8)  # [L, B, S or W, K, D]
+    tokens = jax.random.randint(jax.random.key(1), (2, 24), 0, 64)
+    got, cache = forward_cached(params, cfg, tokens[:, :9], init_cache(cfg, 2, 24, window_slots=5), fresh=True)
+    pieces, step = [got], jax.jit(lambda tokens, cache: forward_cached(params, cfg, tokens, cache))
+    for a, b in ((9, 10), (10, 15), (15, 20), (20, 21), (21, 24)):
+        logits, cache = step(tokens[:, a:b], cache)
+        pieces.append(logits)
+    np.testing.assert_allclose(jnp.concatenate(pieces, axis=1), forward(params, cfg, tokens), rtol=0, atol=2e-5)
+    with pytest.raises(UserError, match=r"6 new tokens do not fit a ring cache of 5 slots"):
+        forward_cached(params, cfg, tokens[:, :6], cache)
+
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 10]]
+    # Plain, speculative, and documents (token 3 opens one: prompt 0 starts its second document).
+    runs = [dict(speculative=False), dict(speculative=True), dict(document_token=3)]
+    layered = [generate(params, cfg, prompts, 50, temperature=0.0, **run) for run in runs]
+    jax.clear_caches()  # the sampler's programs are traced anew, with whole-context caches
+    monkeypatch.setattr(generate_module, "layered_cache_slots", lambda cfg, draft=0: 0)
+    state = lower_decoding(params, cfg, max_new_tokens=100)["advance"].args_info[0][1]
+    assert "ring" not in state["cache"] and state["cache"]["k"].shape == (3, 1, 32, 4, 8)
+    assert layered == [generate(params, cfg, prompts, 50, temperature=0.0, **run) for run in runs]
+    assert layered[2] != layered[0]  # the document mask matters
 
 
 def test_bad_windows_are_one_line_errors():

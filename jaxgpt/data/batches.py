@@ -45,8 +45,8 @@ def get_batch(
 ) -> np.ndarray:
     """This process's rows, int32 [batch_size // process_count, window], of the global batch.
 
-    Offsets are uniform in [0, len(tokens) - window] (or, given `starts`, drawn uniformly from those
-    of them that leave a whole window) and depend only on (seed, stream, step), so the global batch
+    Offsets are uniform in [0, len(tokens) - window] (or, given `starts`, sorted as
+    `document_starts` returns them, drawn uniformly from those of them that leave a whole window) and depend only on (seed, stream, step), so the global batch
     is the same whatever the process count and resuming needs only the step. `split` only names the
     tokens in errors.
     """
@@ -62,7 +62,7 @@ def get_batch(
     if starts is None:
         offsets = rng.integers(0, len(tokens) - window, size=batch_size, endpoint=True)
     else:
-        starts = starts[starts <= len(tokens) - window]
+        starts = starts[:np.searchsorted(starts, len(tokens) - window, side="right")]  # sorted: a view, not a pass
         if not len(starts):
             raise UserError(f"no document of the {split} split starts a whole window of {window} tokens before its end")
         offsets = starts[rng.integers(0, len(starts), size=batch_size)]

@@ -57,6 +57,8 @@ from jaxgpt.model.decoder import (
     document_floors,
     forward_cached,
     init_cache,
+    layered_cache_slots,
+    layered_from,
     ring_cache_length,
     ring_from,
 )
@@ -131,11 +133,12 @@ def _kernels(cfg: ModelConfig, mesh: Any) -> Any:
 
 def _cache_for(cfg: ModelConfig, batch: int, draft: int, document_token: int | None) -> Cache:
     """context_length positions, plus `draft` slots a speculative block may write past the end;
-    for a model whose every block is windowed, a ring of the window and the drafts' slots."""
+    for a model whose every block is windowed, a ring of the window and the drafts' slots; for a
+    long-short model, such rings for its windowed blocks."""
     documents, ring = document_token is not None, ring_cache_length(cfg, draft)
     if ring:
         return init_cache(cfg, batch, ring, documents=documents, ring=True)
-    cache = init_cache(cfg, batch, cfg.context_length, documents=documents)
+    cache = init_cache(cfg, batch, cfg.context_length, documents=documents, window_slots=layered_cache_slots(cfg, draft))
     if draft:
         pad = ((0, 0), (0, 0), (0, draft), (0, 0), (0, 0))
         cache = {**cache, "k": jnp.pad(cache["k"], pad), "v": jnp.pad(cache["v"], pad)}
@@ -193,16 +196,18 @@ def _start(
     """Prefill right-padded prompts and sample each row's first token at its own length."""
     options = dict(temperature=temperature, top_k=top_k, top_p=top_p, vocab_limit=vocab_limit)
     B, P = tokens_BP.shape
-    ring = ring_cache_length(cfg, draft)
+    ring, window_slots = ring_cache_length(cfg, draft), layered_cache_slots(cfg, draft)
     # A ring keeps a row's last positions: its prompt's, not its padding's, so the prefill goes
     # through a linear cache of the prompts' width first.
-    empty = init_cache(cfg, B, P, documents=document_token is not None) if ring else \
+    empty = init_cache(cfg, B, P, documents=document_token is not None) if ring or window_slots else \
         _cache_for(cfg, B, draft, document_token)
     logits, cache = forward_cached(params, cfg, tokens_BP, empty, all_depths=draft > 0, fresh=True,
                                    kernels=_kernels(cfg, mesh), document_token=document_token)
     cache["index"] = lengths_B  # each row's later writes start at its true end, over the padding
     if ring:
         cache = ring_from(cache, lengths_B, ring)
+    if window_slots:
+        cache = layered_from(cache, cfg, lengths_B, cfg.context_length + draft, window_slots)
     if document_token is not None:  # the document of each row's last prompt token, not of its padding
         cache["floor"] = _at(document_floors(tokens_BP, document_token, empty["index"], empty["floor"]), lengths_B - 1)
     tokens_B, drafts_BD = _next_tokens(logits, lengths_B - 1, jax.random.fold_in(key, 0), draft, options)

@@ -32,6 +32,7 @@ from jaxgpt.kernels import PORTABLE, Kernels
 from jaxgpt.model.layers import (
     CachePlace,
     FeedForward,
+    LayerCaches,
     TransformerBlock,
     in_a_loop,
     activation_dtype,
@@ -49,7 +50,10 @@ from jaxgpt.model.shortcuts import Shared, empty_skips, layer_step, layer_table,
 from jaxgpt.model.token_ids import check_token_ids
 
 Params = dict[str, Any]
-Cache = dict[str, jax.Array]  # {"k": [L, B, S, K, D], "v": [L, B, S, K, D], "index": [B]}
+# {"k": [L, B, S, K, D], "v": [L, B, S, K, D], "index": [B]}; a long-short model's (`init_cache(...,
+# window_slots=R)`): "k", "v" its whole-context blocks' alone, and "ring": {"k", "v" [n_windowed, B, R,
+# K, D], "slot_positions" [B, R]}.
+Cache = dict[str, Any]
 
 
 class MTPAdapter(nn.Module):
@@ -138,10 +142,15 @@ class Decoder(nn.Module):
         if cfg.unet_skips:
             skip_weights = self.param("skip_weights", nn.initializers.ones, (cfg.n_layers // 2,), jnp.float32)
 
+        ring = None if cache is None else cache.get("ring")  # a long-short model's rings beside its linear caches
         kv = None if cache is None or fresh else (cache["k"], cache["v"])
+        table = layer_table(cfg, skip_weights)
+        if ring is not None and kv is not None:
+            kv = LayerCaches(kv, (ring["k"], ring["v"]))
+            table["cache_row"] = jnp.asarray(cache_rows(cfg))
         place = None if cache is None else CachePlace(cache["index"], None if fresh else floors_BT,
-                                                      cache.get("slot_positions"))
-        x_BTC, kv = self._blocks(x_BTC, rope, kv, place, shared, layer_table(cfg, skip_weights))
+                                                      cache.get("slot_positions") if ring is None else ring["slot_positions"])
+        x_BTC, kv = self._blocks(x_BTC, rope, kv, place, shared, table)
 
         hidden_BTC = make_norm(cfg, kernels, "final_norm")(x_BTC)
         if stop_before_head:  # what the head reads at each depth, for a loss that runs the head itself
@@ -167,8 +176,15 @@ class Decoder(nn.Module):
             (k, v), slots = write_ring((cache["k"], cache["v"]), kv, cache["index"], cache["slot_positions"])
             new_cache = {"k": k, "v": v, "index": cache["index"] + T, "slot_positions": slots}
         elif cache is not None:  # one in-place write for all layers, after they have read the cache
+            if ring is not None:  # each kind its own layers' keys
+                long, windowed = (np.flatnonzero(window_plan(cfg) == w) for w in (0, cfg.attention_window))
+                (ring_k, ring_v), slots = write_ring((ring["k"], ring["v"]), (kv[0][windowed], kv[1][windowed]),
+                                                     cache["index"], ring["slot_positions"])
+                kv = (kv[0][long], kv[1][long])
             k, v = write_kv((cache["k"], cache["v"]), kv, cache["index"])
             new_cache = {"k": k, "v": v, "index": cache["index"] + T}
+            if ring is not None:
+                new_cache["ring"] = {"k": ring_k, "v": ring_v, "slot_positions": slots}
             if floors_BT is not None:
                 new_cache["floor"] = floors_BT[:, -1]
         return logits_BTV, new_cache
@@ -179,15 +195,17 @@ class Decoder(nn.Module):
         step = layer_step(cfg, self.kernels)
         carry = (x_BTC, empty_skips(cfg, x_BTC)) if cfg.unet_skips else x_BTC
         if cfg.scan_layers:
+            # A long-short model's caches are unequal stacks: every layer reads its own row of its kind's.
+            kv_axis = nn.broadcast if isinstance(kv, LayerCaches) else 0
             stack = nn.scan(step, variable_axes={"params": 0}, split_rngs={"params": True, "dropout": True},
-                            in_axes=(nn.broadcast, 0, nn.broadcast, nn.broadcast, 0), length=cfg.n_layers,
+                            in_axes=(nn.broadcast, kv_axis, nn.broadcast, nn.broadcast, 0), length=cfg.n_layers,
                             unroll=min(self.kernels.scan_unroll, cfg.n_layers) if self.train else 1)
             carry, kv = stack(block_cls(cfg, self.kernels, self.deterministic, self.train, name="blocks"),
                               carry, rope, kv, place, shared, table)
         else:
             new_k, new_v = [], []
             for i in range(cfg.n_layers):
-                layer_kv = None if kv is None else (kv[0][i], kv[1][i])
+                layer_kv = kv if kv is None or isinstance(kv, LayerCaches) else (kv[0][i], kv[1][i])
                 block = block_cls(cfg, self.kernels, self.deterministic, self.train, name=f"block_{i}")
                 carry, layer_kv = step(block, carry, rope, layer_kv, place, shared,
                                        {key: column[i] for key, column in table.items()})
@@ -308,19 +326,26 @@ def _apply(params, cfg, token_ids, *, all_depths, train, rng, kernels, head=True
 
 
 def init_cache(cfg: ModelConfig, batch_size: int, max_length: int, *, documents: bool = False,
-               ring: bool = False) -> Cache:
+               ring: bool = False, window_slots: int = 0) -> Cache:
     """An empty KV cache for `batch_size` sequences of up to `max_length` tokens each; with
     `documents`, also where each sequence's current document starts (`forward_cached(document_token=...)`).
 
     `ring` (a model whose every block is windowed, `ring_cache_length`): `max_length` slots that
     hold each sequence's latest positions, however many came before, so the cache's bytes follow
     the window and not the text's length; a pass may then bring at most `max_length` new tokens
-    (a prefill into an empty ring any number: the last `max_length` stay)."""
+    (a prefill into an empty ring any number: the last `max_length` stay).
+
+    `window_slots` (a model with both whole-context and windowed blocks, `layered_cache_slots`):
+    the whole-context blocks hold `max_length` positions, the windowed blocks a ring of
+    `window_slots` each, as `ring` above; a pass then brings at most `window_slots` new tokens."""
     if batch_size < 1 or max_length < 1:
         raise UserError(f"cache needs batch_size >= 1 and max_length >= 1, got {batch_size}, {max_length}")
     if ring and not ring_cache_length(cfg):
         raise UserError("a ring cache needs every block windowed (model.attention_window > 0, model.window_pattern "
                         "without L) and positions that go on past the context (RoPE or sinusoidal)")
+    if window_slots and not layered_cache_slots(cfg):
+        raise UserError("init_cache(window_slots=...) needs whole-context and windowed blocks both (model.attention_window "
+                        "> 0, model.window_pattern with L and S)")
     if cfg.position == "learned" and max_length > cfg.context_length:
         raise UserError(
             f"cache max_length {max_length} exceeds context_length {cfg.context_length} "
@@ -333,7 +358,41 @@ def init_cache(cfg: ModelConfig, batch_size: int, max_length: int, *, documents:
         cache["floor"] = jnp.zeros((batch_size,), jnp.int32)
     if ring:
         cache["slot_positions"] = jnp.full((batch_size, max_length), -1, jnp.int32)
+    if window_slots:
+        n_long = int((window_plan(cfg) == 0).sum())
+        ring_shape = (cfg.n_layers - n_long, batch_size, window_slots, cfg.kv_heads, cfg.head_size)
+        cache.update(k=cache["k"][:n_long], v=cache["v"][:n_long], ring={
+            "k": jnp.zeros(ring_shape, dtype), "v": jnp.zeros(ring_shape, dtype),
+            "slot_positions": jnp.full((batch_size, window_slots), -1, jnp.int32)})
     return cache
+
+
+def cache_rows(cfg: ModelConfig) -> np.ndarray:
+    """Per layer of a long-short model: its row in its kind's cache stack (whole-context or windowed)."""
+    windowed = window_plan(cfg) > 0
+    return np.where(windowed, np.cumsum(windowed) - 1, np.cumsum(~windowed) - 1).astype(np.int32)
+
+
+def layered_cache_slots(cfg: ModelConfig, draft: int = 0) -> int:
+    """The ring slots of a long-short model's windowed blocks (0 where a model has no such mix, or
+    a window no shorter than its context): the window plus the `draft` positions a speculative
+    block writes and may take back, as `ring_cache_length`."""
+    windows = window_plan(cfg)
+    if not cfg.attention_window or windows.all() or not windows.any() or cfg.attention_window >= cfg.context_length:
+        return 0
+    return cfg.attention_window + draft
+
+
+def layered_from(cache: Cache, cfg: ModelConfig, lengths_B: jax.Array, length: int, slots: int) -> Cache:
+    """A long-short model's cache from a linear one of every layer whose rows hold `lengths_B`
+    positions (a padded prefill's): the whole-context layers' padded to `length` positions, the
+    windowed layers' rings of `slots` (`ring_from`)."""
+    windows = window_plan(cfg)
+    long, windowed = np.flatnonzero(windows == 0), np.flatnonzero(windows > 0)
+    pad = ((0, 0), (0, 0), (0, length - cache["k"].shape[2]), (0, 0), (0, 0))
+    ring = ring_from({"k": cache["k"][windowed], "v": cache["v"][windowed]}, lengths_B, slots)
+    return {**cache, "k": jnp.pad(cache["k"][long], pad), "v": jnp.pad(cache["v"][long], pad), "index": lengths_B,
+            "ring": {"k": ring["k"], "v": ring["v"], "slot_positions": ring["slot_positions"]}}
 
 
 def ring_cache_length(cfg: ModelConfig, draft: int = 0) -> int:
@@ -384,10 +443,11 @@ def forward_cached(
     L, cache_B, S = cache["k"].shape[:3]
     if cache_B != B:
         raise UserError(f"token IDs have batch {B} but the cache was made for batch {cache_B}")
-    if "slot_positions" in cache:
-        if T > S and not fresh:
-            raise UserError(f"{T} new tokens do not fit a ring cache of {S} slots: a cached pass brings at most {S}")
-    elif _is_concrete(cache["index"]):
+    if "slot_positions" in cache or "ring" in cache:
+        R = cache["ring"]["k"].shape[2] if "ring" in cache else S
+        if T > R and not fresh:
+            raise UserError(f"{T} new tokens do not fit a ring cache of {R} slots: a cached pass brings at most {R}")
+    if "slot_positions" not in cache and _is_concrete(cache["index"]):  # a ring never overflows
         end = int(np.asarray(cache["index"]).max()) + T
         if end > S:
             raise UserError(f"KV cache overflow: {end} positions needed, the cache holds {S}")

@@ -213,6 +213,8 @@ class CausalSelfAttention(nn.Module):
             masks = {key: value for key, value in (("segment_ids", segment_ids), ("window", window)) if value is not None}
             out_BTHD = self.kernels.attention(q_BTHD, k_BTKD, v_BTKD, train=self.train, remat=cfg.remat != "none",
                                               **masks)
+        elif isinstance(kv, LayerCaches):
+            out_BTHD = layered_attention(q_BTHD, kv, (k_BTKD, v_BTKD), place, window)
         else:
             out_BTHD = cached_attention(q_BTHD, kv, (k_BTKD, v_BTKD), place, window)
         kv = None if place is None else (k_BTKD, v_BTKD)
@@ -242,6 +244,29 @@ class CachePlace(NamedTuple):
     index: jax.Array
     floors: jax.Array | None = None
     slot_positions: jax.Array | None = None
+
+
+class LayerCaches(NamedTuple):
+    """A long-short model's caches, each block reading its own kind: the whole-context blocks'
+    linear caches `long` (k, v [n_long, B, S, K, D]), the windowed blocks' rings `ring` (k, v
+    [n_windowed, B, R, K, D], the slots' positions in the `CachePlace`), and `row`, this block's
+    index in its kind's stack (`decoder.init_cache(..., window_slots=R)`)."""
+
+    long: KV
+    ring: KV
+    row: jax.Array | None = None
+
+
+def layered_attention(q_BTHD: jax.Array, caches: LayerCaches, new: KV, place: CachePlace, window: jax.Array) -> jax.Array:
+    """`cached_attention` against this block's own cache: its ring where its `window` (traced, per
+    block) is not 0, else its linear cache."""
+    def row_of(pair: KV) -> KV:
+        return tuple(jax.lax.dynamic_index_in_dim(x, caches.row, keepdims=False) for x in pair)
+
+    return jax.lax.cond(
+        window == 0,
+        lambda: cached_attention(q_BTHD, row_of(caches.long), new, place._replace(slot_positions=None)),
+        lambda: cached_attention(q_BTHD, row_of(caches.ring), new, place, window))
 
 
 def cached_attention(q_BTHD: jax.Array, cache: KV, new: KV, place: CachePlace,

@@ -94,6 +94,8 @@ def layer_step(cfg: ModelConfig, kernels: Kernels) -> Callable[..., Any]:
         values = None
         if cfg.value_embeds:
             values = (shared.value_lookups, row["value_table"], row["value_on"])
+        if "cache_row" in row:  # a long-short model's caches: this block's row in its kind's stack
+            kv = kv._replace(row=row["cache_row"])
         x_BTC, kv = block(x_BTC, rope, kv, place, shared.x0_BTC, values, shared.segment_ids, row.get("window"))
         if cfg.unet_skips:
             skips_SBTC = jax.lax.dynamic_update_index_in_dim(skips_SBTC, x_BTC, row["skip_to"], 0)
