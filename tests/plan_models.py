@@ -32,3 +32,8 @@ LAYERS = ["model.d_model=128", "model.n_heads=2", "model.n_layers=4", "model.con
 # steps are plain XLA matmuls whatever the kernels (on the CPU: test_step, test_parallel), and
 # would double the train step's compile for a target.
 SPEEDRUN_BLOCK = attention("gqa", 256, 64, "bfloat16", *SPEEDRUN, "train.optimizer=adamw")
+
+
+# Long-short windows: a windowed block and a whole-context one in the one scanned layer (lax.cond
+# picks the kernel), at a length where the window skips blocks.
+WINDOWED = ["model.n_layers=2", "model.position=rope", "model.attention_window=128", "model.window_pattern=SL"]

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 from jaxgpt_lines import foreign_lines
-from plan_models import GIB, LAYERS, SPEEDRUN_BLOCK, TINY, attention, tiny
+from plan_models import GIB, LAYERS, SPEEDRUN_BLOCK, TINY, WINDOWED, attention, tiny
 
 from jaxgpt import plan as planning
 from jaxgpt.cli.main import main
@@ -27,11 +27,14 @@ REMAT = ["none", "dots", "full"]
 @pytest.fixture(scope="module")
 def h100():
     """For one H100: the attention in bfloat16 (every program), then in float32 and the three remat
-    policies on a 4-layer model (the train step); last, every program of the speedrun block."""
+    policies on a 4-layer model (the train step); then every program of the speedrun block, and
+    the train step of a long-short windowed model."""
     cfgs = [attention("mha", 256, 64, "float32")]
     cfgs += [load_config(None, [*LAYERS, "train.batch_size=8", f"model.remat={policy}"]) for policy in REMAT]
+    cfgs += [attention("gqa", 512, 64, "bfloat16", *WINDOWED)]
     every = planning.plans([attention("mha", 256, 64, "bfloat16"), SPEEDRUN_BLOCK], "h100-1")
-    return [every[0], *planning.plans(cfgs, "h100-1", programs=("train",)), every[1]]
+    trains = planning.plans(cfgs, "h100-1", programs=("train",))
+    return [every[0], *trains[:-1], every[1], trains[-1]]
 
 
 def test_remat_policies_order_the_memory_none_dots_full(h100):
@@ -64,11 +67,18 @@ def test_a_plan_compiles_train_eval_and_sampling_and_compares_them_with_the_chip
 
 
 def test_the_speedrun_block_compiles_every_program_with_cudnn_attention(h100):
-    record = h100[-1]
+    record = h100[-2]
     assert "failure" not in record, record.get("failure")
     assert record["kernels"] == "gpu" and record["fits"] is True
     for program in (record["compiled"], record["compiled"]["eval"], record["compiled"]["decode"]):
         assert any(call.startswith("__cudnn$fmha") for call in program["custom_calls"]), program["custom_calls"]
+
+
+def test_a_long_short_windowed_model_runs_cudnn_attention_in_both_kinds_of_block(h100):
+    record = h100[-1]
+    assert "failure" not in record, record.get("failure")
+    assert record["kernels"] == "gpu"  # the probe compiled cuDNN's sliding window and its causal mask
+    assert {"__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"} <= set(record["compiled"]["custom_calls"])
 
 
 FIT_MODEL = [*LAYERS, "model.n_layers=8", "model.context_length=1024"]  # over a hundred rows to an H100
