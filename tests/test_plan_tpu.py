@@ -88,16 +88,9 @@ def test_every_program_dry_run_compiles_builds_the_splash_kernel_in_the_trace_th
     assert "tpu_custom_call" in record["compiled"]["eval"]["custom_calls"]
 
 
-def test_the_speedrun_block_compiles_every_program_with_splash_attention(every_program):
-    record = every_program[1]
-    assert "failure" not in record, record.get("failure")
-    assert record["kernels"] == "tpu" and record["fits"] is True
-    for program in (record["compiled"], record["compiled"]["eval"], record["compiled"]["decode"]):
-        assert "tpu_custom_call" in program["custom_calls"]
-
-
-def test_a_long_short_windowed_model_compiles_every_program_with_splash_attention(every_program):
-    record = every_program[2]
+@pytest.mark.parametrize("which", [1, 2], ids=["speedrun block", "long-short windows over documents"])
+def test_the_speedrun_models_compile_every_program_with_splash_attention(every_program, which):
+    record = every_program[which]
     assert "failure" not in record, record.get("failure")
     assert record["kernels"] == "tpu" and record["fits"] is True
     for program in (record["compiled"], record["compiled"]["eval"], record["compiled"]["decode"]):
