@@ -173,12 +173,6 @@ class ModelConfig:
             raise ConfigError(
                 f"model.n_heads = {self.n_heads} is not divisible by model.kv_heads = {self.kv_heads}"
             )
-
-    def block_windows(self) -> tuple[int, ...]:
-        """Per block: its attention window, window_pattern cycled over the blocks (S: the window,
-        L: 0, the whole context)."""
-        pattern = self.window_pattern * -(-self.n_layers // len(self.window_pattern))
-        return tuple(self.attention_window if letter == "S" else 0 for letter in pattern[:self.n_layers])
         if self.position == "rope" and self.head_size % 2:
             raise ConfigError(f"model.position = 'rope' needs an even head size, got {self.head_size}")
         if self.position == "sinusoidal" and self.d_model % 2:
@@ -197,6 +191,12 @@ class ModelConfig:
                 f"model.rope_truncated needs position = 'rope' and a head size divisible by 4, got "
                 f"position = {self.position!r}, head size {self.head_size}"
             )
+
+    def block_windows(self) -> tuple[int, ...]:
+        """Per block: its attention window, window_pattern cycled over the blocks (S: the window,
+        L: 0, the whole context)."""
+        pattern = self.window_pattern * -(-self.n_layers // len(self.window_pattern))
+        return tuple(self.attention_window if letter == "S" else 0 for letter in pattern[:self.n_layers])
 
     @property
     def head_size(self) -> int:
