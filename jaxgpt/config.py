@@ -120,6 +120,14 @@ class ModelConfig:
     attention_window: int = entry(0, IDENTITY)
     # L (the whole context) and S (the window) cycled over the blocks, first block first.
     window_pattern: str = entry("S", IDENTITY)
+    # "sp": every weight at init_std and the optimiser's rates whatever the width; "mup": muP
+    # (Tensor Programs V), which agrees with "sp" at d_model = mup_base_width and keeps the best
+    # learning rate as the width grows (docs/mup.md).
+    parametrization: str = entry("sp", IDENTITY)
+    mup_base_width: int = entry(128, IDENTITY)
+    # muP's attention scale sqrt(D_base) / D for heads D wide, D_base this (0: D itself, so the
+    # scale stays 1 / sqrt(D): widths that grow by heads at a fixed head width, as `coordcheck` grows them).
+    mup_base_head_size: int = entry(0, IDENTITY)
     bias: bool = entry(False, IDENTITY)
     tie_embeddings: bool = entry(True, IDENTITY)
     dropout: float = entry(0.0, IDENTITY, INIT_FROM)
@@ -151,7 +159,8 @@ class ModelConfig:
             object.__setattr__(self, "hidden_size", matched)
         if self.hidden_size is None:
             object.__setattr__(self, "hidden_size", 4 * self.d_model)
-        _positive(s, self, "vocab_size", "context_length", "d_model", "n_layers", "n_heads")
+        _positive(s, self, "vocab_size", "context_length", "d_model", "n_layers", "n_heads", "mup_base_width")
+        _positive(s, self, "mup_base_head_size", allow_zero=True)
         _positive(s, self, "kv_heads", "hidden_size", "rope_base", "rope_scale", "norm_eps")
         _positive(s, self, "mtp_depth", "init_std", "logit_softcap", "value_embeds", "attention_scale",
                   "attention_window", allow_zero=True)
@@ -163,6 +172,7 @@ class ModelConfig:
         _choice(s, "residual", self.residual, ("pre", "post"))
         _choice(s, "feed_forward", self.feed_forward, ("gelu", "swiglu", "relu2"))
         _choice(s, "dtype", self.dtype, ("float32", "bfloat16"))
+        _choice(s, "parametrization", self.parametrization, ("sp", "mup"))
         _choice(s, "kernels", self.kernels, ("auto", "xla"))
         _choice(s, "remat", self.remat, REMAT_POLICIES)
         if self.d_model % self.n_heads:
@@ -191,6 +201,11 @@ class ModelConfig:
                 f"model.rope_truncated needs position = 'rope' and a head size divisible by 4, got "
                 f"position = {self.position!r}, head size {self.head_size}"
             )
+
+    def width_multiplier(self) -> float:
+        """muP's m = d_model / mup_base_width (1 under "sp"): hidden matrices start at init_std /
+        sqrt(m) and learn at AdamW's rate / m, the head reads its input times 1 / m (docs/mup.md)."""
+        return self.d_model / self.mup_base_width if self.parametrization == "mup" else 1.0
 
     def block_windows(self) -> tuple[int, ...]:
         """Per block: its attention window, window_pattern cycled over the blocks (S: the window,

@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from jaxgpt.cli.commands import (
     cmd_bench,
+    cmd_coordcheck,
     cmd_dry_run,
     cmd_eval,
     cmd_export_hf,
@@ -27,7 +28,7 @@ from jaxgpt.errors import Failure, UserError
 # One line each (jaxgpt.errors); any other exception is a bug and keeps its traceback.
 USER_ERRORS = (UserError, OSError, ImportError)
 # The commands that compile programs, which the compilation cache serves (jaxgpt.process.compile_cache).
-COMPILING = ("train", "eval", "generate", "sweep", "bench", "dry-run", "import-hf", "export-hf")
+COMPILING = ("train", "eval", "generate", "sweep", "bench", "dry-run", "import-hf", "export-hf", "coordcheck")
 
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
@@ -180,6 +181,17 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--target", metavar="NAME", help="with --dry-run: each group's train step compiled for a chip "
                     "(v5e-8, h100-8, ...: see `dry-run --target`), its memory a chip and whether it fits")
     sw.set_defaults(func=cmd_sweep)
+
+    cc = _command(sub, "coordcheck", "muP's coordinate check: activations against width",
+                  description="train the config's model at each width a few steps and record each layer's mean "
+                              "|activation|; write coordcheck.json and coordcheck.png (flat in width under muP)")
+    _add_config_args(cc)
+    cc.add_argument("--widths", default="64,128,256,512", metavar="W,W,...",
+                    help="d_model values, each a multiple of the config's head width (default: 64,128,256,512)")
+    cc.add_argument("--steps", type=int, default=5, help="train steps per width (default: 5)")
+    cc.add_argument("--out", required=True, help="the folder to write coordcheck.json and coordcheck.png into")
+    cc.add_argument("--no-progress", action="store_true", help="no progress bar")
+    cc.set_defaults(func=cmd_coordcheck)
 
     imp = _command(sub, "import-hf", "make a run from a Hugging Face GPT-2 or Llama folder")
     imp.add_argument("hf_dir", help="a directory with config.json and model.safetensors")

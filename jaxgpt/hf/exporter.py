@@ -49,6 +49,9 @@ def _check_exportable(cfg: ModelConfig) -> str:
         refuse("attention_window", "(Hugging Face GPT-2 and Llama attend over the whole context)")
     if cfg.position == "sinusoidal":
         refuse("position", "(GPT-2 learns its positions, Llama rotates; neither has a fixed sinusoidal table)")
+    if cfg.width_multiplier() != 1 and cfg.tie_embeddings:
+        refuse("parametrization", f"at d_model {cfg.d_model} with a tied head (muP's output multiplier 1 / "
+               f"{cfg.width_multiplier():g} cannot be folded into an embedding that the input reads too)")
     if cfg.position == "learned":
         if cfg.norm != "layernorm":
             refuse("norm", "with learned positions (GPT-2 needs layernorm)")
@@ -60,6 +63,27 @@ def _check_exportable(cfg: ModelConfig) -> str:
     if cfg.feed_forward != "swiglu":
         refuse("feed_forward", "with rope positions (Llama needs swiglu)")
     return "llama"
+
+
+def mup_folded(cfg: ModelConfig, params: Params) -> Params:
+    """`params` with muP's multipliers folded into the weights they follow, so that the standard
+    parametrisation computes the same function: the output multiplier 1 / m into an untied head's
+    kernel, the attention's sqrt(D_base / D) into the query projection (RoPE is linear, so the
+    factor passes through it). Unchanged under "sp"."""
+    if cfg.parametrization != "mup":
+        return params
+    params = dict(params)
+    m = cfg.width_multiplier()
+    if m != 1 and not cfg.tie_embeddings:
+        params["lm_head"] = {"kernel": np.asarray(params["lm_head"]["kernel"], np.float32) / m}
+    if cfg.mup_base_head_size:
+        q_width, factor = cfg.n_heads * cfg.head_size, (cfg.mup_base_head_size / cfg.head_size) ** 0.5
+        qkv = {name: np.array(value, np.float32) for name, value in params["blocks"]["attention"]["qkv"].items()}
+        for value in qkv.values():
+            value[..., :q_width] *= factor
+        attention = {**params["blocks"]["attention"], "qkv": qkv}
+        params["blocks"] = {**params["blocks"], "attention": attention}
+    return params
 
 
 def dropped_on_export(params: Params) -> list[str]:
@@ -221,7 +245,7 @@ def export_hf(cfg: ModelConfig, params: Params, out_dir: str | Path, *, tokenize
     kind = _check_exportable(cfg)
     if "blocks" not in params:
         raise UserError("export_hf expects the scanned parameter layout (a `blocks` entry)")
-    config, tensors = (_export_gpt2 if kind == "gpt2" else _export_llama)(cfg, params)
+    config, tensors = (_export_gpt2 if kind == "gpt2" else _export_llama)(cfg, mup_folded(cfg, params))
     end_of_text = _end_of_text(tokenizer)
     # Left unset, transformers' defaults (GPT-2: 50256; Llama: 1 and 2) would name ordinary tokens
     # of this vocabulary, and `generate` would stop at them.

@@ -135,7 +135,8 @@ class Decoder(nn.Module):
         shared = Shared(x0_BTC=x_BTC if cfg.x0_mix else None, segment_ids=segment_ids)
         if cfg.value_embeds:
             # Initialised at the spread of the values they join: unit-RMS inputs times init_std weights.
-            tables_NVX = self.param("value_embeds", nn.initializers.normal(cfg.init_std * C**0.5),
+            # Under muP at the base width's spread: the values' spread does not follow the width.
+            tables_NVX = self.param("value_embeds", nn.initializers.normal(cfg.init_std * (C / cfg.width_multiplier())**0.5),
                                     (cfg.value_embeds, V, cfg.kv_heads * cfg.head_size), jnp.float32)
             shared = shared._replace(value_lookups=jnp.take(tables_NVX, token_ids_BT, axis=1).astype(dtype))
         skip_weights = None
@@ -153,15 +154,17 @@ class Decoder(nn.Module):
         x_BTC, kv = self._blocks(x_BTC, rope, kv, place, shared, table)
 
         hidden_BTC = make_norm(cfg, kernels, "final_norm")(x_BTC)
+        m = cfg.width_multiplier()  # muP's output multiplier 1 / m, on what the head reads (before any softcap)
+        read = (lambda h_BTC: h_BTC * jnp.asarray(1 / m, h_BTC.dtype)) if m != 1 else (lambda h_BTC: h_BTC)
         if stop_before_head:  # what the head reads at each depth, for a loss that runs the head itself
             adapters = [MTPAdapter(cfg, kernels, self.deterministic, name=f"mtp_{d}") for d in range(cfg.mtp_depth)]
-            return jnp.stack([hidden_BTC, *(a(hidden_BTC) for a in adapters)]), None
+            return jnp.stack([read(hidden_BTC), *(read(a(hidden_BTC)) for a in adapters)]), None
         if cfg.tie_embeddings:
             head_VC = token_embedding.embedding
             logits = lambda h_BTC: kernels.tied_logits(h_BTC, head_VC, compute_dtype(cfg))
         else:
             logits = UntiedHead(cfg, kernels, name="lm_head")
-        head = lambda h_BTC: softcap(logits(h_BTC), cfg.logit_softcap)
+        head = lambda h_BTC: softcap(logits(read(h_BTC)), cfg.logit_softcap)
         logits_BTV = head(hidden_BTC)
         chex.assert_shape(logits_BTV, (B, T, V))
         if all_depths:

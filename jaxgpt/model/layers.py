@@ -38,16 +38,21 @@ def activation_dtype(cfg: ModelConfig, kernels: Kernels) -> Any:
     return jnp.float32 if kernels.float32_activations else compute_dtype(cfg)
 
 
-def dense_init(cfg: ModelConfig, output: bool = False) -> nn.initializers.Initializer:
+def dense_init(cfg: ModelConfig, output: bool = False, hidden: bool = False) -> nn.initializers.Initializer:
     """N(0, init_std); zeros for an `output` (a projection into the residual stream, or an untied
-    head) under `model.zero_init`."""
-    return nn.initializers.zeros if output and cfg.zero_init else nn.initializers.normal(stddev=cfg.init_std)
+    head) under `model.zero_init`. A `hidden` matrix (fan-in growing with d_model) under muP:
+    N(0, init_std / sqrt(m)), m = `ModelConfig.width_multiplier`."""
+    if output and cfg.zero_init:
+        return nn.initializers.zeros
+    m = cfg.width_multiplier()
+    return nn.initializers.normal(stddev=cfg.init_std / m**0.5 if hidden and m != 1 else cfg.init_std)
 
 
 def dense(cfg: ModelConfig, kernels: Kernels, features: int, name: str, output: bool = False) -> nn.Dense:
     """`nn.Dense` (params `kernel` [in, features], `bias`) multiplying with the kernels' dot_general.
     `output`: a projection back into the residual stream, zero at init under `model.zero_init`."""
-    return nn.Dense(features, use_bias=cfg.bias, dtype=activation_dtype(cfg, kernels), kernel_init=dense_init(cfg, output),
+    return nn.Dense(features, use_bias=cfg.bias, dtype=activation_dtype(cfg, kernels),
+                    kernel_init=dense_init(cfg, output, hidden=True),
                     dot_general=kernels.dot_general, name=name)
 
 
@@ -230,8 +235,11 @@ def prepare_qk(cfg: ModelConfig, q_BTHD: jax.Array, k_BTKD: jax.Array, rope: Rop
         q_BTHD, k_BTKD = rms_normalize(q_BTHD), rms_normalize(k_BTKD)
     if rope is not None:
         q_BTHD, k_BTKD = apply_rope(q_BTHD, rope), apply_rope(k_BTKD, rope)
-    if cfg.attention_scale:
-        q_BTHD = q_BTHD * jnp.asarray(cfg.attention_scale * q_BTHD.shape[-1] ** 0.5, q_BTHD.dtype)
+    D = q_BTHD.shape[-1]
+    # muP: sqrt(D_base) / D where 1 / sqrt(D) was (model.mup_base_head_size; equal at D = D_base).
+    mup = (cfg.mup_base_head_size / D) ** 0.5 if cfg.parametrization == "mup" and cfg.mup_base_head_size else 1.0
+    if cfg.attention_scale or mup != 1.0:
+        q_BTHD = q_BTHD * jnp.asarray((cfg.attention_scale * D**0.5 if cfg.attention_scale else 1.0) * mup, q_BTHD.dtype)
     return q_BTHD, k_BTKD
 
 

@@ -98,11 +98,15 @@ def lr_group(path: tuple[Any, ...]) -> str:
     return "matrix" if _leaf_name(path) == "kernel" else "scalar"
 
 
-def _group_scaled(inner: optax.GradientTransformation, hp: OptHParams) -> optax.GradientTransformation:
-    """`inner`'s updates times each group's peak over `lr`. No state of its own, so a run's
-    optimiser state is laid out the same with or without group peaks; when every factor is the
-    number 1 (a single run that sets none), `inner` itself."""
+def _group_scaled(inner: optax.GradientTransformation, hp: OptHParams,
+                  width_multiplier: float = 1.0) -> optax.GradientTransformation:
+    """`inner`'s updates times each group's peak over `lr`, and under muP the hidden matrices'
+    times 1 / `width_multiplier` (AdamW's rule in Tensor Programs V's Table 3). No state of its
+    own, so a run's optimiser state is laid out the same with or without group peaks; when every
+    factor is the number 1 (a single run that sets none), `inner` itself."""
     factors = {"embed": hp.lr_embed / hp.lr, "head": hp.lr_head / hp.lr, "scalar": hp.lr_scalar / hp.lr}
+    if width_multiplier != 1:
+        factors["matrix"] = 1 / width_multiplier
     if all(isinstance(f, float) and f == 1.0 for f in factors.values()):
         return inner
 
@@ -147,19 +151,23 @@ def _muon(schedule: optax.Schedule, weight_decay: Any) -> optax.GradientTransfor
     )
 
 
-def make_optimizer(cfg: TrainConfig, hparams: OptHParams | None = None) -> optax.GradientTransformation:
+def make_optimizer(cfg: TrainConfig, hparams: OptHParams | None = None,
+                   width_multiplier: float = 1.0) -> optax.GradientTransformation:
     """clip_by_global_norm(clip_norm) (skipped when clip_norm == 0), then masked AdamW; with
     `optimizer = "muon"`, the hidden matrices (`muon_mask`) get Muon at `muon_lr` instead, on the
     same warmup + cosine schedule shape, and the rest keep AdamW at `lr`.
 
     `hparams` (default: the config's) may hold traced values: a vmapped sweep builds one
     optimiser per member inside the traced step. The optimiser state does not depend on them.
+    `width_multiplier` (muP's m, `ModelConfig.width_multiplier`): AdamW's hidden matrices learn at
+    its rate / m; Muon's updates are already scaled by their matrix's shape, which for a hidden
+    matrix is muP's rule, so they are left as they are (the width is never counted twice).
     """
     hp = OptHParams.from_config(cfg) if hparams is None else hparams
     schedule = lr_schedule(cfg, hp)
     update: optax.GradientTransformation = _group_scaled(optax.adamw(
         schedule, b1=hp.beta1, b2=hp.beta2, eps=cfg.adam_eps, weight_decay=hp.weight_decay, mask=decay_mask,
-    ), hp)
+    ), hp, width_multiplier)
     if cfg.optimizer == "muon":
         muon_schedule = lambda count: schedule(count) * (hp.muon_lr / hp.lr)  # noqa: E731
         update = optax.partition(

@@ -91,7 +91,7 @@ def train_step(cfg: RunConfig, state: TrainState, batch_BW: jax.Array, axis_name
     """
     model, train = cfg.model, cfg.train
     hparams = OptHParams.from_config(train) if hparams is None else hparams
-    optimizer = make_optimizer(train, hparams)
+    optimizer = make_optimizer(train, hparams, model.width_multiplier())
     seed = train.seed if seed is None else seed
     dropout_key = jax.random.fold_in(jax.random.key(seed), state.step)
     if axis_name is not None:

@@ -1,0 +1,99 @@
+"""muP (model.parametrization = "mup"): each rule against the standard parametrisation it scales
+(initialisation, AdamW's rates, the output multiplier, the attention scale), equality at the base
+width, Muon left alone, the export's folding, and the config's one-line errors."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxgpt.config import ConfigError, ModelConfig, TrainConfig, load_config
+from jaxgpt.errors import UserError
+from jaxgpt.hf.exporter import export_hf, mup_folded
+from jaxgpt.model.decoder import forward, init_params
+from jaxgpt.train.optim import make_optimizer
+
+BASE = 32  # mup_base_width
+WIDE = ModelConfig(vocab_size=64, context_length=16, d_model=4 * BASE, n_layers=2, n_heads=8, tie_embeddings=False,
+                   parametrization="mup", mup_base_width=BASE, value_embeds=1, position="rope", norm="rmsnorm",
+                   feed_forward="swiglu")
+
+
+def leaves(params):
+    return {jax.tree_util.keystr(path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(params)}
+
+
+def test_at_the_base_width_mup_is_the_standard_parametrisation():
+    sp = dataclasses.replace(WIDE, d_model=BASE, n_heads=2, kv_heads=2, hidden_size=4 * BASE, parametrization="sp")
+    mup = dataclasses.replace(sp, parametrization="mup")
+    a, b = init_params(sp, jax.random.key(0)), init_params(mup, jax.random.key(0))
+    assert jax.tree_util.tree_all(jax.tree_util.tree_map(lambda x, y: bool((x == y).all()), a, b))
+    tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, 64)
+    np.testing.assert_array_equal(forward(a, sp, tokens), forward(a, mup, tokens))
+
+
+def test_hidden_matrices_start_at_init_std_over_root_m_and_the_rest_at_init_std():
+    # m = 4: every hidden matrix (fan-in growing with the width) at 0.02 / 2; the embeddings and
+    # the untied head at 0.02; the value table at the base width's spread, 0.02 * sqrt(32).
+    stds = {path: float(jnp.std(leaf)) for path, leaf in leaves(init_params(WIDE, jax.random.key(0))).items()}
+    hidden = [path for path in stds if "kernel" in path and "lm_head" not in path]
+    assert len(hidden) == 5  # qkv, out, up, gate, down
+    for path in hidden:
+        assert stds[path] == pytest.approx(0.01, rel=0.05), path
+    assert stds["['token_embedding']['embedding']"] == pytest.approx(0.02, rel=0.05)
+    assert stds["['lm_head']['kernel']"] == pytest.approx(0.02, rel=0.05)
+    assert stds["['value_embeds']"] == pytest.approx(0.02 * BASE**0.5, rel=0.05)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_adamw_moves_hidden_matrices_by_its_rate_over_m_and_muon_by_its_own_shape_rule(optimizer):
+    params = init_params(WIDE, jax.random.key(0))
+    grads = jax.tree_util.tree_map(lambda p: jax.random.normal(jax.random.key(3), p.shape), params)
+    train = TrainConfig(steps=10, warmup_steps=0, optimizer=optimizer, clip_norm=0.0)
+    update = lambda m: leaves(make_optimizer(train, width_multiplier=m).update(
+        grads, make_optimizer(train, width_multiplier=m).init(params), params)[0])
+    sp, mup = update(1.0), update(4.0)
+    for path in sp:
+        hidden = "kernel" in path and "lm_head" not in path
+        ratio = 0.25 if hidden and optimizer == "adamw" else 1.0
+        np.testing.assert_allclose(mup[path], ratio * sp[path], rtol=1e-6, atol=1e-12, err_msg=path)
+
+
+@pytest.mark.parametrize("change", [{}, {"logit_softcap": 5.0}, {"mup_base_head_size": 32}, {"qk_norm": True}])
+def test_the_output_multiplier_and_attention_scale_are_what_folding_them_into_the_weights_gives(change):
+    """The head reads its input times 1 / m, before any softcap, and the queries carry
+    sqrt(D_base / D): the standard model with the untied head's kernel over m and the query
+    projection times sqrt(D_base / D) computes the same logits."""
+    mup = dataclasses.replace(WIDE, **change)
+    sp = dataclasses.replace(mup, parametrization="sp", mup_base_head_size=0)
+    params = init_params(mup, jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, 64)
+    got = forward(params, mup, tokens)
+    if change.get("qk_norm"):  # QK-norm divides a query's scale away: only the multiplier is folded
+        return np.testing.assert_allclose(got, forward(mup_folded(mup, params), sp, tokens), rtol=0, atol=1e-5)
+    np.testing.assert_allclose(got, forward(mup_folded(mup, params), sp, tokens), rtol=0, atol=1e-5)
+    assert np.abs(np.asarray(got - forward(params, sp, tokens))).max() > 1e-3  # the multipliers matter
+
+
+def test_export_folds_the_untied_head_and_refuses_a_tied_one_off_the_base_width(tmp_path):
+    from safetensors.numpy import load_file
+
+    untied = dataclasses.replace(WIDE, value_embeds=0)
+    params = init_params(untied, jax.random.key(0))
+    export_hf(untied, params, tmp_path / "untied")
+    head = load_file(str(tmp_path / "untied" / "model.safetensors"))["lm_head.weight"]
+    np.testing.assert_allclose(head, np.asarray(params["lm_head"]["kernel"]).T / 4, rtol=1e-6)
+    tied = dataclasses.replace(untied, tie_embeddings=True)
+    with pytest.raises(UserError, match=r"model\.parametrization = 'mup' at d_model 128 with a tied head"):
+        export_hf(tied, init_params(tied, jax.random.key(0)), tmp_path / "tied")
+
+
+def test_bad_parametrisations_are_one_line_errors():
+    for override, message in [("model.parametrization=xp", r"model\.parametrization = 'xp' is not one of sp, mup"),
+                              ("model.mup_base_width=0", r"model\.mup_base_width = 0 must be > 0"),
+                              ("model.mup_base_head_size=-1", r"model\.mup_base_head_size = -1 must be >= 0")]:
+        with pytest.raises(ConfigError, match=message) as error:
+            load_config(None, [override])
+        assert "\n" not in str(error.value)
