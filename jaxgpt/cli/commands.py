@@ -238,14 +238,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_coordcheck(args: argparse.Namespace) -> int:
-    from jaxgpt.tools.coordcheck import check_width, coordcheck
+    from jaxgpt.tools.coordcheck import coordcheck
 
     cfg = load_config(args.config, args.overrides)
     try:
         widths = [int(w) for w in args.widths.split(",")]
     except ValueError:
         raise UserError(f"coordcheck: --widths {args.widths!r} must be integers, comma-separated") from None
-    check_width(cfg, widths, args.steps)
     out = Path(args.out)
     coordcheck(cfg, widths, args.steps, out, progress=not args.no_progress)
     print(f"coordcheck: {out / 'coordcheck.json'}, {out / 'coordcheck.png'}", file=sys.stderr)

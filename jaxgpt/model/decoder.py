@@ -180,7 +180,7 @@ class Decoder(nn.Module):
             new_cache = {"k": k, "v": v, "index": cache["index"] + T, "slot_positions": slots}
         elif cache is not None:  # one in-place write for all layers, after they have read the cache
             if ring is not None:  # each kind its own layers' keys
-                long, windowed = (np.flatnonzero(window_plan(cfg) == w) for w in (0, cfg.attention_window))
+                long, windowed = block_kinds(cfg)
                 (ring_k, ring_v), slots = write_ring((ring["k"], ring["v"]), (kv[0][windowed], kv[1][windowed]),
                                                      cache["index"], ring["slot_positions"])
                 kv = (kv[0][long], kv[1][long])
@@ -362,7 +362,7 @@ def init_cache(cfg: ModelConfig, batch_size: int, max_length: int, *, documents:
     if ring:
         cache["slot_positions"] = jnp.full((batch_size, max_length), -1, jnp.int32)
     if window_slots:
-        n_long = int((window_plan(cfg) == 0).sum())
+        n_long = len(block_kinds(cfg)[0])
         ring_shape = (cfg.n_layers - n_long, batch_size, window_slots, cfg.kv_heads, cfg.head_size)
         cache.update(k=cache["k"][:n_long], v=cache["v"][:n_long], ring={
             "k": jnp.zeros(ring_shape, dtype), "v": jnp.zeros(ring_shape, dtype),
@@ -370,10 +370,19 @@ def init_cache(cfg: ModelConfig, batch_size: int, max_length: int, *, documents:
     return cache
 
 
+def block_kinds(cfg: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
+    """The layer indices of a long-short model's whole-context blocks and of its windowed ones,
+    each kind's cache stack in that order."""
+    windows = window_plan(cfg)
+    return np.flatnonzero(windows == 0), np.flatnonzero(windows > 0)
+
+
 def cache_rows(cfg: ModelConfig) -> np.ndarray:
     """Per layer of a long-short model: its row in its kind's cache stack (whole-context or windowed)."""
-    windowed = window_plan(cfg) > 0
-    return np.where(windowed, np.cumsum(windowed) - 1, np.cumsum(~windowed) - 1).astype(np.int32)
+    rows = np.zeros(cfg.n_layers, np.int32)
+    for kind in block_kinds(cfg):
+        rows[kind] = np.arange(len(kind))
+    return rows
 
 
 def layered_cache_slots(cfg: ModelConfig, draft: int = 0) -> int:
@@ -390,8 +399,7 @@ def layered_from(cache: Cache, cfg: ModelConfig, lengths_B: jax.Array, length: i
     """A long-short model's cache from a linear one of every layer whose rows hold `lengths_B`
     positions (a padded prefill's): the whole-context layers' padded to `length` positions, the
     windowed layers' rings of `slots` (`ring_from`)."""
-    windows = window_plan(cfg)
-    long, windowed = np.flatnonzero(windows == 0), np.flatnonzero(windows > 0)
+    long, windowed = block_kinds(cfg)
     pad = ((0, 0), (0, 0), (0, length - cache["k"].shape[2]), (0, 0), (0, 0))
     ring = ring_from({"k": cache["k"][windowed], "v": cache["v"][windowed]}, lengths_B, slots)
     return {**cache, "k": jnp.pad(cache["k"][long], pad), "v": jnp.pad(cache["v"][long], pad), "index": lengths_B,
