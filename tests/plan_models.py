@@ -28,10 +28,11 @@ LAYERS = ["model.d_model=128", "model.n_heads=2", "model.n_layers=4", "model.con
           "model.dtype=bfloat16", *TINY[:1], "train.sample_tokens=4"]
 
 
-# Every switch of the speedrun block and the group learning rates, on AdamW: Muon's Newton-Schulz
+# Every switch of the speedrun block and the group learning rates, on AdamW (Muon's Newton-Schulz
 # steps are plain XLA matmuls whatever the kernels (on the CPU: test_step, test_parallel), and
-# would double the train step's compile for a target.
-SPEEDRUN_BLOCK = attention("gqa", 256, 64, "bfloat16", *SPEEDRUN, "train.optimizer=adamw")
+# would double the train step's compile for a target), under muP at twice its base width.
+SPEEDRUN_BLOCK = attention("gqa", 256, 64, "bfloat16", *SPEEDRUN, "train.optimizer=adamw",
+                           "model.parametrization=mup", "model.mup_base_width=128")
 
 
 # Long-short windows: a windowed block and a whole-context one in the one scanned layer (lax.cond

@@ -188,6 +188,21 @@ def test_the_same_step_damaged_twice_is_moved_aside_twice(reference, corpus, tmp
     assert_bitwise_equal(full_state(run), ref_state)
 
 
+def test_a_mup_run_stops_and_resumes_bitwise(corpus, tmp_path, monkeypatch):
+    """muP at twice its base width: the run's config brings back the parametrisation, so the
+    resumed optimiser moves the hidden matrices at AdamW's rate over m as the unbroken run did."""
+    cfg = config(corpus, "model.parametrization=mup", "model.mup_base_width=16", "train.steps=8")
+    assert cfg.model.width_multiplier() == 2
+    train_module.train(cfg, tmp_path / "reference", progress=False)
+    run = tmp_path / "run"
+    with monkeypatch.context() as patch:
+        stop_at(6, patch)
+        assert train_module.train(cfg, run, progress=False)["step"] == 6
+    assert load_run_config(run).model.parametrization == "mup"
+    train_module.train(cfg, run, resume=True, progress=False)
+    assert_bitwise_equal(full_state(run), full_state(tmp_path / "reference"))
+
+
 def test_resume_with_no_intact_checkpoint_is_a_clear_error(corpus, tmp_path, monkeypatch, capsys):
     run = tmp_path / "run"
     train_stopped_at(4, corpus, run, monkeypatch)

@@ -75,7 +75,7 @@ WINDOWED_DOCUMENTS = attention("gqa", 512, 64, "bfloat16", *WINDOWED, "data.docu
 @pytest.fixture(scope="module")
 def every_program():
     """One compile process for every program (train, eval, the sampler) on one v5e chip: a plain
-    model, the speedrun block, a long-short windowed model over packed documents."""
+    model, the speedrun block under muP, a long-short windowed model over packed documents."""
     return planning.plans([attention("mha", 256, 64, "bfloat16"), SPEEDRUN_BLOCK, WINDOWED_DOCUMENTS], "v5e-1")
 
 

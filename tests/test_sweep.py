@@ -153,6 +153,21 @@ def test_speedrun_variants_train_apart_from_the_baseline_and_their_group_peaks_v
     assert abs(records[2]["val_loss"] - records[1]["val_loss"]) > 1e-3  # its own learning rates took effect
 
 
+def test_mup_members_vmap_their_peaks_and_each_equals_its_single_run(base_file, tmp_path):
+    """Two muP peaks at twice the base width train as one vmapped group; the hotter one equals its
+    single run (the sweep's step scales AdamW's hidden matrices by 1 / m as training does)."""
+    mup = ["model.parametrization=mup", "model.mup_base_width=16"]
+    sweep = load_sweep(write_sweep(tmp_path, sweep_text(base_file, 1, ("mup", mup),
+                                                        ("mup-hot", [*mup, "train.lr=1e-2", "train.min_lr=1e-3"]))))
+    traces = Counter()
+    records = run_sweep(sweep, tmp_path / "out", progress=False, traces=traces)
+    assert traces["train"] == 1 and [r["group_members"] for r in records] == [2, 2]
+    summary, evals, _ = single_run(sweep.variants[1].config, tmp_path / "hot")
+    assert records[1]["val_loss"] == pytest.approx(summary["val_loss"], rel=1e-5)
+    np.testing.assert_allclose([e["val_loss"] for e in records[1]["evals"]], [e["val_loss"] for e in evals], rtol=1e-5)
+    assert abs(records[1]["val_loss"] - records[0]["val_loss"]) > 1e-3
+
+
 def test_a_rerun_skips_finished_members_and_more_seeds_run_only_the_new_ones(base_file, tmp_path):
     path = write_sweep(tmp_path, sweep_text(base_file, 1, ("baseline", []), ("hot", ["train.lr=1e-2"])))
     out = tmp_path / "out"
