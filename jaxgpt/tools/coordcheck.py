@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -45,22 +45,29 @@ def widened(cfg: RunConfig, width: int) -> RunConfig:
                        scan_layers=False)
 
 
-def coordinates(params: Any, cfg: RunConfig, tokens_BT: jax.Array) -> dict[str, list[float]]:
-    """Per quantity, the mean |x| of each layer's output (one entry for the embedding and the logits)."""
+def measure(cfg: RunConfig) -> Callable[[Any, jax.Array], dict[str, list[float]]]:
+    """A function of (params, tokens) giving, per quantity, the mean |x| of each layer's output
+    (one entry for the embedding and the logits): one compiled pass per width."""
     from jaxgpt.kernels import choose_kernels
     from jaxgpt.model.decoder import Decoder
 
     model = cfg.model
-    logits, state = Decoder(model, choose_kernels(model)).apply(
-        {"params": params}, tokens_BT, capture_intermediates=True, mutable=["intermediates"])
-    seen = state["intermediates"]
-    size = lambda x: float(jnp.abs(x.astype(jnp.float32)).mean())  # noqa: E731
-    blocks = [seen[f"block_{i}"] for i in range(model.n_layers)]
-    return {"embedding": [size(seen["token_embedding"]["__call__"][0])],
-            "attention": [size(b["attention"]["__call__"][0][0]) for b in blocks],
-            "feed_forward": [size(b["feed_forward"]["__call__"][0]) for b in blocks],
-            "residual": [size(b["__call__"][0][0]) for b in blocks],
-            "logits": [size(logits[0])]}
+    decoder = Decoder(model, choose_kernels(model))
+
+    @jax.jit
+    def sizes(params: Any, tokens_BT: jax.Array) -> dict[str, list[jax.Array]]:
+        logits, state = decoder.apply({"params": params}, tokens_BT, capture_intermediates=True,
+                                      mutable=["intermediates"])
+        seen = state["intermediates"]
+        size = lambda x: jnp.abs(x.astype(jnp.float32)).mean()  # noqa: E731
+        blocks = [seen[f"block_{i}"] for i in range(model.n_layers)]
+        return {"embedding": [size(seen["token_embedding"]["__call__"][0])],
+                "attention": [size(b["attention"]["__call__"][0][0]) for b in blocks],
+                "feed_forward": [size(b["feed_forward"]["__call__"][0]) for b in blocks],
+                "residual": [size(b["__call__"][0][0]) for b in blocks],
+                "logits": [size(logits[0])]}
+
+    return lambda params, tokens_BT: jax.tree_util.tree_map(float, jax.device_get(sizes(params, tokens_BT)))
 
 
 def check_width(cfg: RunConfig, widths: list[int], steps: int) -> None:
@@ -88,12 +95,13 @@ def coordcheck(cfg: RunConfig, widths: list[int], steps: int, out: Path, progres
     for width in widths:
         wide = widened(cfg, width)
         step = jax.jit(lambda state, batch, wide=wide: train_step(wide, state, batch)[0])
+        coordinates = measure(wide)
         state = init_state(wide, jax.random.key(wide.train.seed))
-        seen = [coordinates(state.params, wide, first)]
+        seen = [coordinates(state.params, first)]
         bar.update(1)
         for t in range(steps):
             state = step(state, batches[t])
-            seen.append(coordinates(state.params, wide, first))
+            seen.append(coordinates(state.params, first))
             bar.update(1)
         record["widths"][str(width)] = {q: [s[q] for s in seen] for q in QUANTITIES}
     bar.close()
