@@ -253,6 +253,7 @@ class DataConfig:
 
 
 GROUP_LRS = ("lr_embed", "lr_head", "lr_scalar")
+TRACKERS = ("tensorboard", "wandb")
 
 
 @dataclass(frozen=True)
@@ -292,10 +293,19 @@ class TrainConfig:
     eval_tasks_every: int | None = entry(None, IDENTITY, RESUME, FORCE, INIT_FROM)  # None: at every eval_every steps
     eval_tasks_path: str = entry("", IDENTITY, RESUME, FORCE, INIT_FROM)  # a folder of task YAML files, as `jaxgpt eval --include-path` takes
     eval_tasks_limit: int = entry(0, IDENTITY, RESUME, FORCE, INIT_FROM)  # documents per task; 0: all of them
+    # Where the metrics go beside metrics.jsonl (always written): any of TRACKERS (jaxgpt/runs/trackers.py).
+    trackers: tuple[str, ...] = entry(("tensorboard",), RESUME, FORCE, INIT_FROM)
+    wandb_project: str = entry("jaxgpt", RESUME, FORCE, INIT_FROM)  # with "wandb": W&B's project (WANDB_ENTITY, WANDB_MODE, WANDB_DIR as W&B reads them)
 
     def __post_init__(self) -> None:
         s = "train"
         _finite(s, self)
+        for name in self.trackers:
+            _choice(s, "trackers", name, TRACKERS)
+        if len(set(self.trackers)) < len(self.trackers):
+            raise ConfigError(f"train.trackers = {list(self.trackers)} names a tracker twice")
+        if not self.wandb_project.strip():
+            raise ConfigError("train.wandb_project = '' must name a project")
         if self.eval_tasks_every is None:
             object.__setattr__(self, "eval_tasks_every", self.eval_every)
         names_list(self.eval_tasks, "train.eval_tasks")
@@ -401,17 +411,25 @@ def _toml_value(value: Any) -> str:
         return "true" if value else "false"
     if isinstance(value, (int, float)):
         return repr(value)
-    return json.dumps(value)  # a JSON string is a valid TOML basic string
+    return json.dumps(value)  # a JSON string is a valid TOML basic string, a JSON list of them a TOML array
 
 
-_KIND_NAMES = {"int": "an integer", "float": "a number", "str": "a string", "bool": "true or false"}
+_KIND_NAMES = {"int": "an integer", "float": "a number", "str": "a string", "bool": "true or false",
+               "tuple[str, ...]": "a list of strings"}
 
 
 def _coerce(section: str, name: str, value: Any, spec: dataclasses.Field) -> Any:
     """Check a TOML value against the field's annotation; ints are accepted for floats, and
-    true / false for a string key that names their meaning (`metadata["bool"]`)."""
+    true / false for a string key that names their meaning (`metadata["bool"]`). A list key
+    takes a TOML array of strings or one comma-separated string (`--set train.trackers=a,b`)."""
     wanted = {"int": int, "float": float, "str": str, "bool": bool}
     base = str(spec.type).replace(" | None", "")
+    if base == "tuple[str, ...]":
+        if isinstance(value, str):
+            return names_list(value, f"{section}.{name}")
+        if not isinstance(value, (list, tuple)) or not all(isinstance(item, str) for item in value):
+            raise ConfigError(f"{section}.{name} = {value!r} must be {_KIND_NAMES[base]}")
+        return tuple(value)
     if isinstance(value, bool) and "bool" in spec.metadata:
         return spec.metadata["bool"][value]
     kind = wanted[base]

@@ -17,6 +17,7 @@ JAXGPT_LINES = [re.compile(pattern) for pattern in (
     r"jaxgpt [a-z-]+: .+",  # the command's own error, stop and launch lines
     r"(building|encoding) .+\.\.\.",  # a slow stage starting
     r"results: .+",
+    r"W&B: (offline run in \S+ \(`wandb sync \S+` uploads it\)|https?://\S+)",
     r"\{.+\}",  # generate --stats
 )]
 

@@ -87,7 +87,7 @@ def test_every_key_declares_its_roles_once_and_the_rules_read_them():
             type(value), lambda v: {"kernels": "xla", "remat": "dots", "parallel": "pmap", "optimizer": "muon",
                                     "position": "rope", "norm": "rmsnorm", "residual": "post",
                                     "feed_forward": "swiglu", "dtype": "bfloat16", "window_pattern": "SL",
-                                    "align": "document", "parametrization": "mup"}.get(name, "other"))(value)
+                                    "align": "document", "parametrization": "mup", "trackers": ["wandb"]}.get(name, "other"))(value)
         if value is None:  # a key that follows another (the group peaks follow train.lr)
             other = 1e-3
         if name in ("kv_heads", "hidden_size", "eval_tasks_every", "ffn_match_params", "eval_tasks", "lr_head",

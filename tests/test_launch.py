@@ -20,6 +20,7 @@ import pytest
 from conftest import FAST_COMPILE, SPEEDRUN
 from jaxgpt_lines import foreign_lines
 from test_train import write_corpus
+from wandb_records import offline_runs, read_run
 
 from jaxgpt.runs.metrics import read_metrics
 from jaxgpt.tools.launch import exit_code, launch, process_env
@@ -47,7 +48,8 @@ def _env(cache: Path) -> dict:
     # One thread per device keeps two processes from oversubscribing the machine's cores; the
     # test flags (FAST_COMPILE) cut the compile time that dominates runs this small.
     return {**os.environ, "JAXGPT_CACHE": str(cache), "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu",
-            "XLA_FLAGS": f"--xla_cpu_multi_thread_eigen=false {FAST_COMPILE}"}
+            "XLA_FLAGS": f"--xla_cpu_multi_thread_eigen=false {FAST_COMPILE}", "WANDB_MODE": "offline",
+            "WANDB_ERROR_REPORTING": "false"}
 
 
 def _command(n: int, out: Path, corpus: Path, steps: int, extra: list[str], resume: bool = False) -> list[str]:
@@ -82,8 +84,8 @@ def runs(tmp_path_factory):
     found = {}
     for layout, n in RUNS:
         out = folder / f"{layout}-{n}"
-        # What one writer writes; the harness's tasks on parameters split over both processes.
-        sample = ["train.sample_tokens=4", "train.eval_tasks=jaxgpt_tiny_choice",
+        # What one writer writes (W&B's run too); the harness's tasks on parameters split over both processes.
+        sample = ["train.sample_tokens=4", "train.eval_tasks=jaxgpt_tiny_choice", "train.trackers=tensorboard,wandb",
                   f"train.eval_tasks_path={json.dumps(str(ROOT / 'experiments' / 'tasks'))}"] \
             if (layout, n) == ("fsdp", 2) else []
         found[layout, n] = (out, _launch(n, out, corpus, cache, LAYOUTS[layout] + sample))
@@ -121,6 +123,8 @@ def test_process_zero_alone_writes_the_run(runs):
     [tasks] = [r for r in records if r["type"] == "eval_tasks"]
     assert tasks["step"] == STEPS and 0 <= tasks["jaxgpt_tiny_choice/acc"] <= 1
     assert len(list((run / "tensorboard").iterdir())) == 1
+    [(_, [path])] = offline_runs(run / "wandb").items()  # one W&B run, from one process
+    assert sorted(read_run([path])["history"]) == list(range(1, STEPS + 1))
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [str(EVERY), str(STEPS)]
     assert stdout.count('"type": "summary"') == 1 and stdout.count("--- sample at step") == 1
 

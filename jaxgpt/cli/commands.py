@@ -176,16 +176,20 @@ def _eval_tasks(args: argparse.Namespace) -> int:
     from jaxgpt.evaluation.harness import DEFAULT_BATCH_SIZE, HarnessLM
     from jaxgpt.evaluation.tasks import results_json, results_table, run_tasks, task_manager, task_record
     from jaxgpt.runs.metrics import MetricsWriter
+    from jaxgpt.runs.trackers import TrackerContext, open_trackers, require
     from jaxgpt.train.checkpoint import load_newest, load_run_config
 
+    run_cfg = load_run_config(args.run)
+    require(run_cfg.train.trackers)  # the results go to the run's trackers too
     manager = task_manager(names, args.include_path)  # before the checkpoint is read: a typo costs nothing
     cfg, params, step = load_newest(args.run)  # the newest good checkpoint, with the run's tokenizer
     lm = HarnessLM(cfg, params, Tokenizer.load(RunDir(args.run).tokenizer), step=step,
-                   documents=load_run_config(args.run).data.document_mask,
+                   documents=run_cfg.data.document_mask,
                    batch_size=DEFAULT_BATCH_SIZE if args.batch_size is None else args.batch_size)
     results = run_tasks(lm, names, manager=manager, limit=args.limit, num_fewshot=args.num_fewshot)
     print(results_table(results))
-    with MetricsWriter(Path(args.run)) as writer:
+    context = TrackerContext(Path(args.run), run_cfg, start_step=lm.step, resumed=True, attach=True)
+    with MetricsWriter(Path(args.run), trackers=open_trackers(context)) as writer:  # the run's own trackers
         writer.write(task_record(results, lm.step))
     if args.out:
         from jaxgpt.runs.rundir import write_atomic

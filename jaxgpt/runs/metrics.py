@@ -1,4 +1,4 @@
-"""Run metrics: JSONL and TensorBoard writers, the JSONL reader, loss plots, tokens/s.
+"""Run metrics: the JSONL writer (and its trackers), the JSONL reader, loss plots, tokens/s.
 
 A record is a JSON object with a `type` (train, eval, eval_tasks, sample, summary) and a `step`.
 """
@@ -9,15 +9,14 @@ import collections
 import json
 import math
 import time
-from numbers import Real
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Callable
 
 from jaxgpt.config import ModelConfig
 from jaxgpt.errors import UserError
-from jaxgpt.runs.events import EventWriter
 from jaxgpt.runs.rundir import RunDir, atomic_file, write_atomic
+from jaxgpt.runs.trackers import TensorBoardTracker, Tracker
 
 RECORD_TYPES = ("train", "eval", "eval_tasks", "sample", "summary")
 
@@ -52,46 +51,46 @@ def _drop_partial_last_line(path: Path) -> None:
 
 
 class MetricsWriter:
-    """Appends records to run_dir/metrics.jsonl and their numbers to run_dir/tensorboard.
+    """Appends records to run_dir/metrics.jsonl and hands each to the trackers
+    (`jaxgpt.runs.trackers`; None: TensorBoard's, in run_dir/tensorboard).
 
     Every JSONL line is written and flushed in one call, so a crash loses no finished record, and
     another writer of the same run (`jaxgpt eval --tasks` while it trains) puts its lines between
-    whole ones.
+    whole ones. A record reaches the trackers after its line is on disk.
     `enabled=False` (every process but 0 in a multi-host run) validates records and writes nothing.
     """
 
-    def __init__(self, run_dir: Path, enabled: bool = True) -> None:
+    def __init__(self, run_dir: Path, enabled: bool = True, trackers: list[Tracker] | None = None) -> None:
         self.run_dir = Path(run_dir)
         self.enabled = enabled
         self._jsonl = None
-        self._tensorboard: EventWriter | None = None
+        self._trackers: list[Tracker] = []
         if enabled:
             files = RunDir(run_dir)
             self.run_dir.mkdir(parents=True, exist_ok=True)
             _drop_partial_last_line(files.metrics)
             self._jsonl = files.metrics.open("a", encoding="utf-8")
-            self._tensorboard = EventWriter(files.tensorboard)
+            self._trackers = [TensorBoardTracker(self.run_dir)] if trackers is None else list(trackers)
 
     def write(self, record: dict[str, Any]) -> None:
         record = {key: _plain(value) for key, value in record.items()}
         _validate(record)
         if not self.enabled:
             return
-        if self._jsonl is None or self._tensorboard is None:
+        if self._jsonl is None:
             raise RuntimeError(f"MetricsWriter for {self.run_dir} is closed")
         self._jsonl.write(json.dumps(record) + "\n")
         self._jsonl.flush()
-        for key, value in record.items():
-            if key != "step" and isinstance(value, Real) and not isinstance(value, bool):
-                self._tensorboard.scalar(f"{record['type']}/{key}", value, record["step"])
+        for tracker in self._trackers:
+            tracker.write(record)
 
     def close(self) -> None:
         if self._jsonl is not None:
             self._jsonl.close()
             self._jsonl = None
-        if self._tensorboard is not None:
-            self._tensorboard.close()
-            self._tensorboard = None
+        trackers, self._trackers = self._trackers, []
+        for tracker in trackers:
+            tracker.close()
 
     def __enter__(self) -> MetricsWriter:
         return self
@@ -120,6 +119,13 @@ def read_jsonl(path: Path | str) -> list[dict[str, Any]]:
 
 
 read_metrics = read_jsonl
+
+
+def last_step(path: Path) -> int | None:
+    """The largest step of any record in the metrics file (None: no file or no record)."""
+    path = Path(path)
+    steps = [r.get("step", 0) for r in read_metrics(path)] if path.is_file() else []
+    return max(steps, default=None)
 
 
 def truncate_metrics(path: Path, after_step: int) -> None:

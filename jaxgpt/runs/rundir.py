@@ -6,6 +6,7 @@
       metrics.jsonl    one JSON record per line: train, eval, eval_tasks, sample, summary
       checkpoints/     Orbax checkpoints, one folder per saved step
       tensorboard/     TensorBoard event files of the metrics' numbers
+      wandb/, wandb.json  with train.trackers = ["wandb"]: W&B's folder, the ids of the run's W&B runs
       loss.png         train and val loss against step, redrawn when a run ends
 
 Every file that a reader may open while it is being rewritten (a notebook refreshing the plot, a

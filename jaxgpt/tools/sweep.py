@@ -37,7 +37,9 @@ devices its group trained on and the wall time of that group, whose members trai
 skips the members already there with the same config), `results.md` (a table per variant: mean
 val bits per byte, seed spread as max − min, gap to the baseline, verdict, and the reference's
 figures beside them) and `val_loss.png`
-(each variant's mean val-loss curve, the seeds' min..max shaded).
+(each variant's mean val-loss curve, the seeds' min..max shaded). Each member's evals and final
+figures also go to its config's trackers (`train.trackers`), as a run of its own in the group
+`sweep-NAME` (W&B) or under `members/VARIANT-seedN/` (TensorBoard).
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ from jaxgpt.process import distributed
 from jaxgpt.process.dispatch import InFlight
 from jaxgpt.runs.metrics import read_jsonl
 from jaxgpt.runs.rundir import write_atomic
+from jaxgpt.runs.trackers import TrackerContext, open_trackers, require
 from jaxgpt.tools.sweep_report import write_report
 from jaxgpt.train.optim import OptHParams
 from jaxgpt.train.rhythm import Rhythm
@@ -327,6 +330,27 @@ def member_record(member: Member, result: GroupResult, index: int, parameters: i
             "compile_s": round(result.compile_s, 2)}
 
 
+def track_member(member: Member, record: dict[str, Any], out: Path, sweep_name: str) -> None:
+    """A finished member in its config's trackers, as a run of its own in the sweep's group (the
+    run directory out/members/VARIANT-seedN holds what the trackers write there)."""
+    name = f"{member.variant}-seed{member.seed}"
+    context = TrackerContext(out / "members" / name, member.config, group=f"sweep-{sweep_name}", name=name,
+                             extra={"variant": member.variant, "seed": member.seed})
+    trackers = open_trackers(context)
+    try:
+        for entry in record["evals"]:
+            for tracker in trackers:
+                tracker.write({"type": "eval", **entry})
+        summary = {"type": "summary", "step": record["steps"], "event": "end",
+                   **{key: value for key, value in record.items() if isinstance(value, (int, float, str))
+                      and key not in ("steps", "config_sha256")}}
+        for tracker in trackers:
+            tracker.write(summary)
+    finally:
+        for tracker in trackers:
+            tracker.close()
+
+
 def _key(member: Member) -> tuple[str, int, str]:
     return member.variant, member.seed, member.config.fingerprint()
 
@@ -348,6 +372,8 @@ def run_sweep(sweep: Sweep, out_dir: str | Path, *, progress: bool = True,
         out.mkdir(parents=True, exist_ok=True)
     results = out / "results.jsonl"
     runs = members(sweep)
+    for member in runs:  # a tracker's missing package stops the sweep before any work
+        require(member.config.train.trackers)
     previous = {(r.get("variant"), r.get("seed"), r.get("config_sha256")): r for r in (read_jsonl(results) if results.is_file() else [])}
     distributed.barrier("sweep-read-results")  # every process has read the file before it is rewritten
     done: dict[tuple, dict[str, Any]] = {_key(m): previous[_key(m)] for m in runs if _key(m) in previous}
@@ -371,6 +397,8 @@ def run_sweep(sweep: Sweep, out_dir: str | Path, *, progress: bool = True,
         for index, member in enumerate(group):
             done[_key(member)] = member_record(member, result, index, parameters)
         if writer:
+            for member in group:
+                track_member(member, done[_key(member)], out, sweep.name)
             ordered = [done[_key(m)] for m in runs if _key(m) in done]
             write_atomic(results, "".join(json.dumps(r) + "\n" for r in ordered))
             write_report(sweep, ordered, out)

@@ -26,7 +26,8 @@ from jaxgpt.evaluation.generate import generate
 from jaxgpt.model.decoder import count_params, init_params
 from jaxgpt.process import compile_cache, distributed, signals
 from jaxgpt.process.startup import Startup
-from jaxgpt.runs.metrics import MetricsWriter, Throughput, plot_losses, truncate_metrics
+from jaxgpt.runs.metrics import MetricsWriter, Throughput, last_step, plot_losses, truncate_metrics
+from jaxgpt.runs.trackers import TrackerContext, open_trackers, require
 from jaxgpt.runs.rundir import RunDir, write_atomic
 from jaxgpt.train.checkpoint import Checkpointer, StateMismatch, finished_at, load_run_config
 from jaxgpt.train.rhythm import Rhythm
@@ -136,6 +137,7 @@ def _train(cfg: RunConfig, out_dir: str | Path, *, resume: bool, force: bool, pr
     run_dir = Path(out_dir)
     files = RunDir(run_dir)
     _check_out_dir(run_dir)
+    require(cfg.train.trackers)  # a tracker's missing package stops the run before any work
     has_checkpoints = files.has_checkpoints()
     if resume and files.config.is_file():
         check_config_change(load_run_config(run_dir), cfg, run_dir, force)
@@ -183,11 +185,14 @@ def _train(cfg: RunConfig, out_dir: str | Path, *, resume: bool, force: bool, pr
         if resume:
             state = _resume(checkpointer, runtime, state, expected, run_dir, force)
             clock.stage("restore")
+        start = int(runtime.to_saved(state).step)
+        trackers = TrackerContext(run_dir, cfg, start_step=start, resumed=resume,
+                                  logged_through=last_step(files.metrics) if resume and main_process else None)
         if main_process:
-            truncate_metrics(files.metrics, after_step=int(runtime.to_saved(state).step))
+            truncate_metrics(files.metrics, after_step=start)
         with signals.handled() as stop:
             summary = _loop(cfg, run_dir, data, state, runtime, checkpointer, expected, stop,
-                            progress and main_process, main_process, tasks, clock)
+                            progress and main_process, main_process, tasks, clock, trackers)
     finally:
         checkpointer.close()
     if main_process:
@@ -206,7 +211,7 @@ def _check_out_dir(run_dir: Path) -> None:
 
 def _loop(cfg: RunConfig, run_dir: Path, data: RunData, state: TrainState, runtime: Runtime,
           checkpointer: Checkpointer, expected: dict[str, Any], stop: signals.StopRequest, progress: bool,
-          main_process: bool, tasks: TrainingTasks | None, clock: Startup) -> dict[str, Any]:
+          main_process: bool, tasks: TrainingTasks | None, clock: Startup, trackers: TrackerContext) -> dict[str, Any]:
     start, total = int(runtime.to_saved(state).step), cfg.train.steps
     tokens_per_step = cfg.train.batch_size * cfg.model.context_length
     n_params = count_params(runtime.params(state))
@@ -225,7 +230,8 @@ def _loop(cfg: RunConfig, run_dir: Path, data: RunData, state: TrainState, runti
               file=sys.stderr)
         if start < total:  # the first step compiles, which takes seconds to minutes with no other output
             print("compiling the train step...", file=sys.stderr, flush=True)
-    with MetricsWriter(run_dir, enabled=main_process) as writer, tqdm(total=total, initial=start, disable=not progress,
+    opened = open_trackers(trackers) if main_process else []
+    with MetricsWriter(run_dir, enabled=main_process, trackers=opened) as writer, tqdm(total=total, initial=start, disable=not progress,
                                                  desc=run_dir.name, unit="step", dynamic_ncols=True) as bar:
         if start == 0:
             writer.write({"type": "summary", "step": 0, "event": "start", "parameters": n_params,
