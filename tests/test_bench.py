@@ -168,22 +168,22 @@ def test_attention_bench_times_each_jax_implementation() -> None:
 
 
 def test_gpu_bench_times_a_variant_with_its_kernels_and_options_then_profiles_it(tmp_path) -> None:
-    gpu_bench = _script("gpu_bench")
-    variant = gpu_bench.Variant("plain head, no fusion", plain_head=True,
+    bench_gpu = _script("bench_gpu")
+    variant = bench_gpu.Variant("plain head, no fusion", plain_head=True,
                                 options=(("xla_backend_optimization_level", 0),))
-    record, profile = gpu_bench.train_variant(gpu_bench.SMOKE, variant, 1, {"tokens_per_s": 1000.0}, tmp_path)
+    record, profile = bench_gpu.train_variant(bench_gpu.SMOKE, variant, 1, {"tokens_per_s": 1000.0}, tmp_path)
     assert profile["mode"] == "profile" and profile["source"] == "host" and profile["top"]  # a CPU: no device
     assert record["variant"] == "plain head, no fusion" and record["head_loss"] == "plain"
     assert record["options"] == {"xla_backend_optimization_level": 0}
     assert record["batch"] == 4 and record["context"] == 64 and math.isfinite(record["loss"])
     assert _finite_positive(record["step_ms"], record["tokens_per_s"], record["compile_s"])
     assert record["vs_torch"] == pytest.approx(record["tokens_per_s"] / 1000.0)
-    assert "| plain head, no fusion | 4 |" in gpu_bench.table([record])
+    assert "| plain head, no fusion | 4 |" in bench_gpu.table([record])
 
 
 def test_tpu_bench_smoke_runs_the_tpu_set_in_interpret_mode_and_writes_its_records(tmp_path, capsys) -> None:
-    tpu_bench = _script("tpu_bench")
-    tpu_bench.main(["--smoke", "--out", str(tmp_path), "--repeats", "1", "--new-tokens", "2",
+    bench_tpu = _script("bench_tpu")
+    bench_tpu.main(["--smoke", "--out", str(tmp_path), "--repeats", "1", "--new-tokens", "2",
                     "--variants", "tpu, batch 32;portable, batch 32"])
     records = [json.loads(line) for line in (tmp_path / "records.jsonl").read_text().splitlines()]
     assert [r["mode"] for r in records] == ["versions", "train", "train", "decode", "decode"]
@@ -216,7 +216,7 @@ def test_gpu_bench_profile_summary_reads_the_device_streams(tmp_path) -> None:
     folder.mkdir(parents=True)
     with gzip.open(folder / "perfetto_trace.json.gz", "wt") as f:
         json.dump({"traceEvents": events}, f)
-    summary = _script("gpu_bench").summarise_trace(tmp_path, top=2)
+    summary = _script("bench_gpu").summarise_trace(tmp_path, top=2)
     assert summary["source"] == "device streams" and summary["total_ms"] == pytest.approx(0.9)
     assert [(t["name"], t["calls"]) for t in summary["top"]] == [("gemm", 2), ("flash_fwd", 1)]
     assert summary["top"][0]["share"] == pytest.approx(600 / 900)

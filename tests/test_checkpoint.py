@@ -496,7 +496,7 @@ def test_a_restore_whose_reads_fail_together_logs_none_of_their_errors(caplog):
 
     from orbax.checkpoint._src.asyncio_utils import run_sync
 
-    from jaxgpt.train.checkpoint import _loops_that_finish_their_tasks
+    from jaxgpt.train.orbax_plumbing import loops_that_finish_their_tasks
 
     async def read(turns: int) -> None:
         for _ in range(turns):  # each read fails a turn of the loop later than the one before
@@ -507,7 +507,7 @@ def test_a_restore_whose_reads_fail_together_logs_none_of_their_errors(caplog):
         await asyncio.gather(*(read(turns) for turns in range(reads)))
 
     for reads in range(1, 9):  # one of these counts ends a read in the loop's last turn
-        with _loops_that_finish_their_tasks(), pytest.raises(ValueError, match="DATA_LOSS"):
+        with loops_that_finish_their_tasks(), pytest.raises(ValueError, match="DATA_LOSS"):
             run_sync(restore(reads))
         gc.collect()
     assert [r.getMessage() for r in caplog.records if r.name == "asyncio"] == []

@@ -19,7 +19,7 @@ from conftest import xla_flags
 from jaxgpt.cli.main import main
 from jaxgpt.config import load_config
 from jaxgpt.data import in_val_split, open_source, prepare_data, sources
-from jaxgpt.data import prepare as prepare_module
+from jaxgpt.data import store_builder as prepare_module
 from jaxgpt.data.encoding import HF, TIKTOKEN
 from jaxgpt.data.shards import HEADER_BYTES, ShardWriter
 

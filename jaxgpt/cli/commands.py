@@ -22,15 +22,15 @@ def cmd_dry_run(args: argparse.Namespace) -> int:
     import jax
     import jax.numpy as jnp
 
-    from jaxgpt.kernels import choose_kernels
+    from jaxgpt.kernels.choose import choose_kernels
     from jaxgpt.model.decoder import count_params, forward, init_params
-    from jaxgpt.plan import plan
+    from jaxgpt.plan.api import plan
     from jaxgpt.plan.programs import planned_memory
     from jaxgpt.train import sharding
 
     cfg = load_config(args.config, args.overrides)
     if args.target is not None:
-        from jaxgpt.plan import target
+        from jaxgpt.plan.targets import target
 
         target(args.target)  # an unknown name, before any work
     model = cfg.model
@@ -74,7 +74,7 @@ def _with_data(args: argparse.Namespace) -> list[str]:
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
-    from jaxgpt.data import prepare_data
+    from jaxgpt.data.from_config import prepare_data
     from jaxgpt.process import signals
 
     if args.workers is not None and args.workers < 1:
@@ -144,7 +144,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     import jax
 
-    from jaxgpt.data import evaluate, prepare_data
+    from jaxgpt.data.batches import evaluate
+    from jaxgpt.data.from_config import prepare_data
     from jaxgpt.train.checkpoint import load_run, load_run_config
     from jaxgpt.train.step import eval_step
 
@@ -297,7 +298,8 @@ def _sweep_plan(sweep: Sweep, target_name: str | None) -> int:
         plans = [{"target": None, "devices": layout.devices, "mesh": {"members": layout.members, "data": layout.data}}
                  for layout in layouts]
     else:
-        from jaxgpt.plan import plan_groups, target
+        from jaxgpt.plan.api import plan_groups
+        from jaxgpt.plan.targets import target
 
         devices = target(target_name).chips
         plans = plan_groups([(shared_config(g[0].config), len(g)) for g in groups], target_name)

@@ -50,7 +50,7 @@ import numpy as np
 
 from jaxgpt.config import ModelConfig
 from jaxgpt.errors import UserError
-from jaxgpt.kernels import choose_kernels
+from jaxgpt.kernels.choose import choose_kernels
 from jaxgpt.model.decoder import (
     Cache,
     Params,

@@ -33,7 +33,7 @@ import numpy as np
 
 from jaxgpt.config import ModelConfig
 from jaxgpt.errors import UserError
-from jaxgpt.kernels import choose_kernels
+from jaxgpt.kernels.choose import choose_kernels
 from jaxgpt.model.decoder import Params, document_segments, forward, forward_cached, init_cache
 from jaxgpt.process.dispatch import InFlight
 

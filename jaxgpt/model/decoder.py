@@ -28,7 +28,8 @@ import numpy as np
 
 from jaxgpt.config import ModelConfig
 from jaxgpt.errors import UserError
-from jaxgpt.kernels import PORTABLE, Kernels
+from jaxgpt.kernels.base import Kernels
+from jaxgpt.kernels.choose import PORTABLE
 from jaxgpt.model.layers import (
     CachePlace,
     FeedForward,

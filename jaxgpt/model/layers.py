@@ -4,6 +4,19 @@ Shapes follow the legend in `jaxgpt.model.decoder`. Parameters are float32; matm
 cache are in the compute dtype (`model.dtype`); statistics (norms, softmax) in float32. The
 dense layers' matmul, the attention and the GELU are the `Kernels` each module is handed
 (`jaxgpt.kernels`; the portable ones by default).
+
+Where attention runs (`CausalSelfAttention`, its one door): a pass with no cache calls
+`kernels.attention`, which is, per kernel set,
+
+    xla (portable)   jaxgpt/kernels/xla.py         attention: XLA's dot-product attention, masks as XLA ops
+    cpu, cpu-bf16    jaxgpt/kernels/cpu.py         f32_attention / bf16_attention (cpu_attention.py:
+                                                   blocked_causal_attention, windowed tiles)
+    gpu              jaxgpt/kernels/gpu.py         causal_attention: cuDNN's, its sliding window
+    tpu              jaxgpt/kernels/tpu.py         attention: Pallas splash attention
+    (windows)        jaxgpt/kernels/xla.py         with_banded: a block's window picks the banded kernel
+
+Cached passes (prefill into a cache, decoding) read the cache here: `cached_attention`, and
+`layered_attention` for a long-short model's two kinds of cache.
 """
 
 from __future__ import annotations
@@ -17,7 +30,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxgpt.config import ModelConfig
-from jaxgpt.kernels import PORTABLE, Kernels
+from jaxgpt.kernels.base import Kernels
+from jaxgpt.kernels.choose import PORTABLE
 from jaxgpt.kernels.xla import in_window
 from jaxgpt.kernels.head_loss import softcap  # noqa: F401  (the head's cap, one definition for model and fused loss)
 

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgpt.config import ModelConfig
-from jaxgpt.kernels import Kernels
+from jaxgpt.kernels.base import Kernels
 from jaxgpt.model.layers import mixed
 
 

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jaxgpt.config import RunConfig
-from jaxgpt.kernels import Kernels
+from jaxgpt.kernels.base import Kernels
 from jaxgpt.train import sharding
 from jaxgpt.train.optim import OptHParams
 from jaxgpt.train.step import TrainState, batch_width

@@ -13,7 +13,7 @@ import jax
 
 from jaxgpt.config import RunConfig
 from jaxgpt.errors import UserError
-from jaxgpt.kernels import choose_kernels
+from jaxgpt.kernels.choose import choose_kernels
 from jaxgpt.plan.programs import compile_decode, compile_eval, compile_group, compile_train, mesh_for, planned_memory
 from jaxgpt.train import sharding
 

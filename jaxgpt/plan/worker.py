@@ -62,7 +62,7 @@ def plan_target(spec: Target, devices: list[Any], request: dict[str, Any]) -> di
 
 
 def main() -> int:
-    from jaxgpt.kernels import choose_for
+    from jaxgpt.kernels.choose import choose_for
     from jaxgpt.process import compile_cache
 
     compile_cache.disable()  # a program compiled for an absent chip can be kept, never loaded

@@ -51,7 +51,7 @@ class StopRequest:
 
 
 _state = StopRequest()
-_CAN_BLOCK = hasattr(signal, "pthread_sigmask")  # POSIX; elsewhere signals act at once, as before
+_CAN_BLOCK = hasattr(signal, "pthread_sigmask")  # POSIX; elsewhere nothing holds a signal: it acts at once
 
 
 def hold() -> None:

@@ -13,7 +13,6 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Callable
 
-from jaxgpt.config import ModelConfig
 from jaxgpt.errors import UserError
 from jaxgpt.runs.rundir import RunDir, atomic_file, write_atomic
 from jaxgpt.runs.trackers import TensorBoardTracker, Tracker

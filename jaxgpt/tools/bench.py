@@ -28,7 +28,7 @@ import numpy as np
 
 from jaxgpt.config import ModelConfig, RunConfig
 from jaxgpt.errors import UserError
-from jaxgpt.kernels import PORTABLE, choose_kernels
+from jaxgpt.kernels.choose import PORTABLE, choose_kernels
 from jaxgpt.model.decoder import forward, init_params
 from jaxgpt.model.flops import flops_per_token, mfu
 from jaxgpt.plan.programs import memory_figures
@@ -292,7 +292,7 @@ def bench_speculative(run_dir: str, repeats: int, batches: tuple[int, ...] = (1,
     context's end (no window slides); `new_tokens` runs past it, where rows slide their windows
     at different steps (speculative rows advance unevenly) and each slide re-encodes the batch.
     """
-    from jaxgpt.data import prepare_data
+    from jaxgpt.data.from_config import prepare_data
     from jaxgpt.evaluation.generate import generate
     from jaxgpt.train.checkpoint import load_run, load_run_config
 

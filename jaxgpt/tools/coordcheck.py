@@ -48,7 +48,7 @@ def widened(cfg: RunConfig, width: int) -> RunConfig:
 def measure(cfg: RunConfig) -> Callable[[Any, jax.Array], dict[str, list[float]]]:
     """A function of (params, tokens) giving, per quantity, the mean |x| of each layer's output
     (one entry for the embedding and the logits): one compiled pass per width."""
-    from jaxgpt.kernels import choose_kernels
+    from jaxgpt.kernels.choose import choose_kernels
     from jaxgpt.model.decoder import Decoder
 
     model = cfg.model
@@ -82,7 +82,7 @@ def check_width(cfg: RunConfig, widths: list[int], steps: int) -> None:
 def coordcheck(cfg: RunConfig, widths: list[int], steps: int, out: Path, progress: bool = True) -> dict[str, Any]:
     """Train each width `steps` steps; the figures as coordcheck.json writes them."""
     from jaxgpt.data.batches import train_batch
-    from jaxgpt.data.pipeline import prepare_data
+    from jaxgpt.data.from_config import prepare_data
     from jaxgpt.train.step import init_state, train_step
 
     check_width(cfg, widths, steps)

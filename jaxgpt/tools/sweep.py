@@ -59,7 +59,8 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxgpt.config import SWEEP, ConfigError, RunConfig, TrainConfig, keys_with, load_config, read_toml
-from jaxgpt.data import RunData, eval_summary, prepare_data, train_batch, val_batch
+from jaxgpt.data.batches import RunData, eval_summary, train_batch, val_batch
+from jaxgpt.data.from_config import prepare_data
 from jaxgpt.errors import UserError, did_you_mean
 from jaxgpt.model.decoder import count_params
 from jaxgpt.process import distributed

@@ -15,25 +15,23 @@ generate, eval, export-hf, bench) open the run read-only: they skip a damaged ch
 warning and never delete, rename or create anything, so a run being trained is safe to read.
 A checkpoint whose files all match their record is not damaged: if the storage layer still fails
 to read it, that is one line naming the file (`Unreadable`), and nothing is moved.
+
+How Orbax is driven (its handlers, the event loops of a restore, its log lines, which of its
+errors mean damage) is `jaxgpt.train.orbax_plumbing`'s; this module says what a checkpoint is.
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
 import logging
 import re
 import sys
 import time
-import warnings
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import orbax.checkpoint as ocp
 
 from jaxgpt.config import ModelConfig, RunConfig, build_config, load_config
@@ -41,6 +39,14 @@ from jaxgpt.errors import Failure, UserError
 from jaxgpt.model.decoder import Params
 from jaxgpt.runs.rundir import RunDir
 from jaxgpt.train.checkpoint_files import MANIFEST_KEY, Damaged, verify, write_record
+from jaxgpt.train.orbax_plumbing import (
+    ReaderNotices,
+    TrainerNotices,
+    first_line,
+    handlers,
+    loops_that_finish_their_tasks,
+    storage_error,
+)
 from jaxgpt.train.state_layout import Carried, NotCarried, carry_over, leaf_names, same_layout
 from jaxgpt.train.step import TrainState, init_state
 
@@ -59,41 +65,18 @@ class Unreadable(Failure):
     read (another tensorstore, a bug): not damage, so nothing is moved; one line names the file."""
 
 
-# tensorstore's and Orbax's words for bytes that are not there or not what was written, and the
-# storage layer's own names in its decoding errors (which carry no status word).
-DAMAGE_CODES = ("DATA_LOSS", "OUT_OF_RANGE", "NOT_FOUND", "INVALID_ARGUMENT", "FAILED_PRECONDITION")
-STORAGE_WORDS = re.compile(r"(?i)tensorstore|OCDBT|zarr|ZSTD|decod|corrupt")
-# Neither memory nor a permission is damage, whatever layer reports it.
-NOT_DAMAGE = re.compile(r"PERMISSION_DENIED|[Pp]ermission denied|RESOURCE_EXHAUSTED|[Oo]ut of memory")
-
-
-def _storage_error(err: Exception) -> bool:
-    if isinstance(err, (FileNotFoundError, EOFError, json.JSONDecodeError, UnicodeDecodeError)):
-        return True
-    text = str(err)
-    if NOT_DAMAGE.search(text) or isinstance(err, (MemoryError, OSError)):
-        return False
-    # Orbax re-raises a failed array read as a bare Exception naming TensorStore, so the words decide.
-    return (isinstance(err, ValueError) and any(code in text for code in DAMAGE_CODES)) or bool(STORAGE_WORDS.search(text))
-
-
-def _first_line(err: Exception) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0].split(" [tensorstore_spec=")[0][:300] if text else ""
-
-
 def _classified(err: Exception, folder: Path, verified: bool) -> Exception:
     """`err`, as Damaged where it says the files are damaged, as Unreadable where it would but
     every file matched its record (`verified`), as itself otherwise (memory, a permission, a bug),
     so that nothing good is moved aside for it."""
-    if isinstance(err, (Damaged, StateMismatch)) or not _storage_error(err):
+    if isinstance(err, (Damaged, StateMismatch)) or not storage_error(err):
         return err
     if verified:
         named = re.findall(r'local file "([^"]+)"', str(err))
         return Unreadable(f"checkpoint {folder} matches the checksums written with it, but "
                           f"{named[-1] if named else 'one of its files'} cannot be read "
-                          f"({type(err).__name__}: {_first_line(err)}); nothing was moved")
-    return Damaged(f"unreadable ({type(err).__name__}: {_first_line(err)})")
+                          f"({type(err).__name__}: {first_line(err)}); nothing was moved")
+    return Damaged(f"unreadable ({type(err).__name__}: {first_line(err)})")
 
 
 def _assemble(like: TrainState, carried: Carried, raw: dict[str, Any], fresh: TrainState | None) -> TrainState:
@@ -135,101 +118,6 @@ def on_one_device(abstract: Any) -> Any:
                                   abstract)
 
 
-def _handlers() -> dict[str, Any]:
-    """The state as a pytree of arrays, and the JSON manifest.
-
-    Orbax's default for a replicated array (every leaf under data parallelism) is to slice it into
-    one part per replica first, so that many processes share the writing; in one process that
-    is a few hundred eager slices per checkpoint for nothing, and they took most of a small
-    run's checkpoint time. One process writes each array from one device's copy.
-    """
-    scalar = ocp.type_handlers.ScalarHandler()
-    arrays = ocp.type_handlers.ArrayHandler(use_replica_parallel=jax.process_count() > 1)
-    registry = ocp.type_handlers.create_type_handler_registry(
-        (int, scalar), (float, scalar), (np.number, scalar), (np.ndarray, ocp.type_handlers.NumpyHandler()),
-        (jax.Array, arrays))
-    return {"state": ocp.PyTreeCheckpointHandler(type_handler_registry=registry),
-            "manifest": ocp.JsonCheckpointHandler()}
-
-
-class _ClosingLoop(asyncio.SelectorEventLoop):
-    """An event loop that, when closed, first runs the tasks still pending on it to their end.
-
-    Orbax runs a restore's reads as tasks on a fresh loop and closes the loop as soon as one read
-    fails; the others are still in flight in tensorstore, and each one's completion then reaches
-    the closed loop and prints a traceback ("Event loop is closed"). Cancelling them does not stop
-    tensorstore's reads; letting them end (their results dropped) does, while the loop still runs.
-    The reads that failed beside the first one are the same damage: their errors are marked seen,
-    or each would print "Task exception was never retrieved" when it is collected."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._tasks: list[asyncio.Task] = []
-        self.set_task_factory(self._recorded_task)
-
-    def _recorded_task(self, loop: asyncio.AbstractEventLoop, coro, **kwargs) -> asyncio.Task:
-        task = asyncio.Task(coro, loop=loop, **kwargs)
-        self._tasks.append(task)
-        return task
-
-    def close(self) -> None:
-        while not self.is_closed() and not self.is_running():
-            pending = [task for task in asyncio.all_tasks(self) if not task.done()]
-            if not pending:
-                break
-            self.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
-        for task in self._tasks:
-            if task.done() and not task.cancelled():
-                task.exception()  # marks it retrieved: the restore has raised the first one
-        self._tasks.clear()
-        super().close()
-
-    def call_soon_threadsafe(self, callback, *args, context=None):  # type: ignore[override]
-        """A result for a closed loop is dropped, as asyncio drops those of its own futures."""
-        if self.is_closed():
-            return None
-        return super().call_soon_threadsafe(callback, *args, context=context)
-
-
-class _ClosingLoopPolicy(asyncio.DefaultEventLoopPolicy):
-    def new_event_loop(self) -> asyncio.AbstractEventLoop:
-        return _ClosingLoop()
-
-
-@contextmanager
-def _loops_that_finish_their_tasks() -> Iterator[None]:
-    """Inside: the event loops Orbax makes for a restore are `_ClosingLoop`s."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)  # the policy API, from Python 3.14
-        previous = asyncio.get_event_loop_policy()
-        asyncio.set_event_loop_policy(_ClosingLoopPolicy())
-    try:
-        yield
-    finally:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)
-            asyncio.set_event_loop_policy(previous)
-
-
-class _ReaderNotices(logging.Filter):
-    """What Orbax warns a reader of that a reader here expects: that it opened read-only (every
-    reader does, on purpose), and that a checkpoint's files vanished while it listed them (the
-    trainer dropped an old one: the reader lists again). Neither line tells a user anything."""
-
-    EXPECTED = ("Given directory is read only", "Metadata file does not exist")
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith(self.EXPECTED)
-
-
-class _TrainerNotices(logging.Filter):
-    """Orbax's warning that a save waited for the previous one, in absl's format: the trainer says
-    it once in its own words instead (`Checkpointer.save`)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith("Waiting for previous save to complete")
-
-
 # A save that waits longer than this for the previous one is worth a note: checkpoints come faster
 # than the storage takes them, and each wait stops training (Orbax warns from 1 s as well).
 SLOW_SAVE_S = 1.0
@@ -247,7 +135,7 @@ class Checkpointer:
         self.directory = RunDir(run_dir).checkpoints.absolute()
         self.keep = keep
         self.read_only = read_only
-        self._notices = _ReaderNotices() if read_only else _TrainerNotices()
+        self._notices = ReaderNotices() if read_only else TrainerNotices()
         logging.getLogger("absl").addFilter(self._notices)  # until close()
         self._saving: int | None = None  # the step whose save is in flight
         self._noted_slow = False
@@ -259,16 +147,16 @@ class Checkpointer:
             options = ocp.CheckpointManagerOptions(
                 max_to_keep=self.keep, create=True, cleanup_tmp_directories=True, enable_async_checkpointing=True,
                 async_options=ocp.AsyncOptions(post_finalization_callback=self._record_files))
-            return ocp.CheckpointManager(self.directory, options=options, item_handlers=_handlers())
+            return ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers())
         options = ocp.CheckpointManagerOptions(read_only=True, create=False, cleanup_tmp_directories=False,
                                                enable_async_checkpointing=False, save_root_metadata=False,
                                                save_interval_steps=0)
         for _ in range(READER_OPEN_ATTEMPTS - 1):
             try:
-                return ocp.CheckpointManager(self.directory, options=options, item_handlers=_handlers())
+                return ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers())
             except (FileNotFoundError, NotADirectoryError):
                 pass  # a trainer removed an old checkpoint while Orbax listed them: list them again
-        return ocp.CheckpointManager(self.directory, options=options, item_handlers=_handlers())
+        return ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers())
 
     def save(self, state: TrainState, manifest: dict[str, Any]) -> None:
         """Start writing a checkpoint of `state`; training goes on while Orbax writes it."""
@@ -340,7 +228,7 @@ class Checkpointer:
 
     def _manifest(self, step: int) -> dict[str, Any]:
         try:
-            with _loops_that_finish_their_tasks():
+            with loops_that_finish_their_tasks():
                 manifest = self.manager.restore(step, args=ocp.args.Composite(
                     manifest=ocp.args.JsonRestore()))["manifest"]
         except Exception as err:
@@ -351,7 +239,7 @@ class Checkpointer:
 
     def _metadata(self, step: int) -> Any:
         try:
-            with _loops_that_finish_their_tasks():
+            with loops_that_finish_their_tasks():
                 metadata = self.manager.item_metadata(step)["state"]
         except Exception as err:
             raise self._classified(err, step) from None
@@ -366,7 +254,7 @@ class Checkpointer:
 
     def _read(self, step: int, abstract: Any, restore_args: Any) -> Any:
         try:
-            with _loops_that_finish_their_tasks():
+            with loops_that_finish_their_tasks():
                 return self.manager.restore(step, args=ocp.args.Composite(
                     state=ocp.args.PyTreeRestore(abstract, restore_args)))["state"]
         except Exception as err:

@@ -20,7 +20,8 @@ import jax
 from tqdm.auto import tqdm
 
 from jaxgpt.config import FORCE, RESUME, RunConfig, keys_with
-from jaxgpt.data import RunData, evaluate, prepare_data, train_batch
+from jaxgpt.data.batches import RunData, evaluate, train_batch
+from jaxgpt.data.from_config import prepare_data
 from jaxgpt.errors import UserError
 from jaxgpt.evaluation.generate import generate
 from jaxgpt.model.decoder import count_params, init_params

@@ -36,7 +36,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxgpt.config import PARALLEL_MODES, RunConfig, TrainConfig
 from jaxgpt.errors import UserError
-from jaxgpt.kernels import Kernels, choose_kernels
+from jaxgpt.kernels.base import Kernels
+from jaxgpt.kernels.choose import choose_kernels
 from jaxgpt.train.step import TrainState, batch_width, eval_step, init_state, train_step
 
 MESH_AXES = ("data", "fsdp")

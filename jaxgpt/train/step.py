@@ -17,7 +17,8 @@ import optax
 
 from jaxgpt.config import ModelConfig, RunConfig
 from jaxgpt.data.batches import batch_width, window_length  # noqa: F401  (scripts import them from here too)
-from jaxgpt.kernels import Kernels, choose_kernels
+from jaxgpt.kernels.base import Kernels
+from jaxgpt.kernels.choose import choose_kernels
 from jaxgpt.model.decoder import Params, forward, head_inputs, head_weight, init_params
 from jaxgpt.model.layers import compute_dtype
 from jaxgpt.train.optim import OptHParams, lr_schedule, make_optimizer

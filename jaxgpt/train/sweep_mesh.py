@@ -36,7 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxgpt.config import RunConfig
 from jaxgpt.errors import UserError
-from jaxgpt.kernels import choose_kernels
+from jaxgpt.kernels.choose import choose_kernels
 from jaxgpt.train.optim import OptHParams
 from jaxgpt.train.step import TrainState, batch_width, eval_step, init_state, train_step
 from jaxgpt.train.window_warmup import StagedSteps

@@ -12,7 +12,7 @@ else sees).
 
 A process that waits rechecks the store once it gets the lock: the one before it has usually
 finished it, and it opens the store instead of building it; a holder that died leaves its ledger,
-and the next one continues from there (`jaxgpt.data.prepare`).
+and the next one continues from there (`jaxgpt.data.store_builder`).
 """
 
 from __future__ import annotations

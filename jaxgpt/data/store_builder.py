@@ -60,7 +60,7 @@ LARGE_SOURCE_BYTES = 4 << 20
 
 
 @dataclass(frozen=True)
-class Plan:
+class StoreSpec:
     """What a store is made of, and where it goes."""
     folder: Path
     key: str
@@ -78,18 +78,18 @@ def is_large(source: Source) -> bool:
     return source.size() >= LARGE_SOURCE_BYTES
 
 
-def default_workers(plan: Plan) -> int:
-    return max(1, os.cpu_count() or 1) if plan.large else 1
+def default_workers(spec: StoreSpec) -> int:
+    return max(1, os.cpu_count() or 1) if spec.large else 1
 
 
-def choose_encoder(plan: Plan) -> str:
+def choose_encoder(spec: StoreSpec) -> str:
     """tiktoken where it has a form of the tokenizer and gives its ids on the first CHECK_BYTES of
     the corpus; the tokenizer's own encoder otherwise."""
-    tokenizer_json = plan.tokenizer.to_json()
+    tokenizer_json = spec.tokenizer.to_json()
     if tiktoken_encoding(tokenizer_json) is None:
         return HF
     texts, size = [], 0
-    for doc in plan.source.documents():
+    for doc in spec.source.documents():
         texts.append(doc.text)
         size += doc.size()
         if size >= CHECK_BYTES:
@@ -195,28 +195,28 @@ def _tasks(documents: Iterator[Document], skip: int) -> Iterator[list[Document]]
         yield task
 
 
-def _saved_state(plan: Plan) -> dict | None:
+def _saved_state(spec: StoreSpec) -> dict | None:
     try:
-        state = json.loads((plan.folder / PROGRESS).read_text())
+        state = json.loads((spec.folder / PROGRESS).read_text())
     except (OSError, ValueError):
         return None
-    return state if state.get("key") == plan.key else None
+    return state if state.get("key") == spec.key else None
 
 
-def build_store(plan: Plan, workers: int | None = None, progress: bool = True) -> TokenSplits:
-    """Prepare the store of `plan` (continuing an interrupted preparation) and open it."""
-    folder = plan.folder
-    dtype = token_dtype(plan.tokenizer.vocab_size)
-    state = _saved_state(plan)
+def build_store(spec: StoreSpec, workers: int | None = None, progress: bool = True) -> TokenSplits:
+    """Prepare the store of `spec` (continuing an interrupted preparation) and open it."""
+    folder = spec.folder
+    dtype = token_dtype(spec.tokenizer.vocab_size)
+    state = _saved_state(spec)
     if state is not None and not _recover(folder, state, dtype):
         state = None
     if state is None and folder.exists():
         shutil.rmtree(folder)  # nothing to continue: start over
     folder.mkdir(parents=True, exist_ok=True)
-    workers = workers or default_workers(plan)
-    announce = progress and plan.large
-    encoder_kind = state["encoder"] if state else choose_encoder(plan)
-    splits = {name: _Split(folder, name, dtype, plan.shard_tokens, state and state["splits"][name])
+    workers = workers or default_workers(spec)
+    announce = progress and spec.large
+    encoder_kind = state["encoder"] if state else choose_encoder(spec)
+    splits = {name: _Split(folder, name, dtype, spec.shard_tokens, state and state["splits"][name])
               for name in SPLITS}
     consumed = state["documents"] if state else 0
     if announce:
@@ -224,10 +224,10 @@ def build_store(plan: Plan, workers: int | None = None, progress: bool = True) -
               f"{'tiktoken' if encoder_kind == TIKTOKEN else 'tokenizers'})...", file=sys.stderr, flush=True)
 
     def commit() -> None:
-        write_atomic(folder / PROGRESS, json.dumps({"key": plan.key, "encoder": encoder_kind, "documents": consumed,
+        write_atomic(folder / PROGRESS, json.dumps({"key": spec.key, "encoder": encoder_kind, "documents": consumed,
                                                    "splits": {n: s.state() for n, s in splits.items()}}))
 
-    eot, tokenizer_json = plan.tokenizer.eot_id, plan.tokenizer.to_json()
+    eot, tokenizer_json = spec.tokenizer.eot_id, spec.tokenizer.to_json()
     pool = Workers(workers, tokenizer_json, encoder_kind, eot, dtype) if workers > 1 else None
     local = Encoder(tokenizer_json, encoder_kind, eot) if pool is None else None
     pending: deque[list[Document]] = deque()
@@ -238,11 +238,11 @@ def build_store(plan: Plan, workers: int | None = None, progress: bool = True) -
             yield [d.text for d in task], [d.ends for d in task]
 
     done_bytes = sum(s.bytes for s in splits.values())
-    bar = tqdm(total=plan.source.size() or None, initial=done_bytes, unit="B", unit_scale=True, desc="preparing",
+    bar = tqdm(total=spec.source.size() or None, initial=done_bytes, unit="B", unit_scale=True, desc="preparing",
                file=sys.stderr, disable=not announce, dynamic_ncols=True)
     last_commit = time.monotonic()
     try:
-        tasks = sent(_tasks(plan.source.documents(), consumed))
+        tasks = sent(_tasks(spec.source.documents(), consumed))
         results = pool.map(tasks) if pool else (local.encode(texts, ends, dtype) for texts, ends in tasks)
         for ids, lengths in results:
             task = pending.popleft()
@@ -268,7 +268,7 @@ def build_store(plan: Plan, workers: int | None = None, progress: bool = True) -
                 signals.check("while preparing the token store (run the command again to continue it)")
         bar.total = bar.n  # the size was the files' (markup, compression): the text is all read
         bar.refresh()
-        _finish(plan, splits, encoder_kind)
+        _finish(spec, splits, encoder_kind)
     except UserError:  # bad input: the shard being written goes, and the folder if nothing else stays
         for s in splits.values():
             s.writer.close()
@@ -290,25 +290,25 @@ def build_store(plan: Plan, workers: int | None = None, progress: bool = True) -
     return store
 
 
-def _finish(plan: Plan, splits: dict[str, _Split], encoder_kind: str) -> None:
+def _finish(spec: StoreSpec, splits: dict[str, _Split], encoder_kind: str) -> None:
     for name, split in splits.items():
         if split.tokens == 0:
-            raise UserError(f"{plan.source.description}: the {name} split is empty"
+            raise UserError(f"{spec.source.description}: the {name} split is empty"
                              + ("; raise data.val_fraction or add data" if name == "val" else ""))
-    now = plan.source.listing()
-    if now != plan.listing:
-        raise UserError(f"{plan.source.description} changed while it was being prepared: "
-                         f"{listing_changes(plan.listing, now)}; prepare it again once it is complete")
+    now = spec.source.listing()
+    if now != spec.listing:
+        raise UserError(f"{spec.source.description} changed while it was being prepared: "
+                         f"{listing_changes(spec.listing, now)}; prepare it again once it is complete")
     for split in splits.values():
         split.finish()
     digest = hashlib.sha256(json.dumps([[n, [sh["sha256"] for sh in s.shards]] for n, s in splits.items()]).encode())
-    index = {"format": STORE_FORMAT, "version": STORE_VERSION, "source": plan.source.description,
-             "source_identity": plan.source.identity, "listing_sha256": listing_sha(plan.listing),
-             "tokenizer_sha256": plan.tokenizer.fingerprint, "vocab_size": plan.tokenizer.vocab_size,
-             "eot_id": plan.tokenizer.eot_id, "dtype": token_dtype(plan.tokenizer.vocab_size).name,
-             "shard_tokens": plan.shard_tokens, "encoder": encoder_kind, "tokens_sha256": digest.hexdigest(),
+    index = {"format": STORE_FORMAT, "version": STORE_VERSION, "source": spec.source.description,
+             "source_identity": spec.source.identity, "listing_sha256": listing_sha(spec.listing),
+             "tokenizer_sha256": spec.tokenizer.fingerprint, "vocab_size": spec.tokenizer.vocab_size,
+             "eot_id": spec.tokenizer.eot_id, "dtype": token_dtype(spec.tokenizer.vocab_size).name,
+             "shard_tokens": spec.shard_tokens, "encoder": encoder_kind, "tokens_sha256": digest.hexdigest(),
              "splits": {n: {"shards": s.shards, "tokens": s.tokens, "documents": s.documents, "bytes": s.bytes}
                         for n, s in splits.items()}}
-    write_atomic(plan.folder / LISTING, json.dumps(plan.listing))
-    write_atomic(plan.folder / INDEX, json.dumps(index, indent=1))
-    (plan.folder / PROGRESS).unlink(missing_ok=True)
+    write_atomic(spec.folder / LISTING, json.dumps(spec.listing))
+    write_atomic(spec.folder / INDEX, json.dumps(index, indent=1))
+    (spec.folder / PROGRESS).unlink(missing_ok=True)

@@ -1,7 +1,7 @@
 """GPT-2 124M on one GPU, in one run: jaxgpt's train-step variants beside torch.compile, decoding, a profile.
 
-    python scripts/gpu_bench.py --out gpu_bench              # one H200: at most about 8 minutes
-    python scripts/gpu_bench.py --smoke --out /tmp/smoke      # a tiny model on the CPU: checks the script
+    python scripts/bench_gpu.py --out bench_gpu              # one H200: at most about 8 minutes
+    python scripts/bench_gpu.py --smoke --out /tmp/smoke      # a tiny model on the CPU: checks the script
 
 Prints the device and the library versions, then one line per measurement as it finishes, then
 a table (markdown). Writes every record to OUT/records.jsonl (one JSON object a line, for diffing
@@ -42,9 +42,9 @@ import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from chip_bench import CONFIG, ROOT, SMOKE, Records, Variant, stored_params, time_train_step, variant_kernels, versions  # noqa: E402
-from chip_bench import decode_records as chip_decode_records
-from chip_bench import table as chip_table
+from bench_chip import CONFIG, ROOT, SMOKE, Records, Variant, stored_params, time_train_step, variant_kernels, versions  # noqa: E402
+from bench_chip import decode_records as chip_decode_records
+from bench_chip import table as chip_table
 
 from jaxgpt.config import load_config  # noqa: E402
 from jaxgpt.kernels import choose_kernels  # noqa: E402
@@ -185,7 +185,7 @@ def table(records: list[dict[str, Any]]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="gpu_bench")
+    parser.add_argument("--out", default="bench_gpu")
     parser.add_argument("--smoke", action="store_true", help="a tiny model, for checking the script on a CPU")
     parser.add_argument("--variants", default=",".join(v.name for v in VARIANTS), help="comma-separated names")
     parser.add_argument("--repeats", type=int, default=5)

@@ -1,4 +1,4 @@
-"""What the one-chip benchmarks (gpu_bench.py, tpu_bench.py) share: GPT-2 124M's train step timed
+"""What the one-chip benchmarks (bench_gpu.py, bench_tpu.py) share: GPT-2 124M's train step timed
 per variant, greedy decoding timed, the records written as they come, and a markdown table.
 
 A variant is a config (experiments/gpt2_124m.toml and overrides) and a kernel set: the chosen

@@ -1,7 +1,7 @@
 """GPT-2 124M on one TPU chip, in one run: the TPU kernels against the portable ones, and decoding.
 
-    python scripts/tpu_bench.py --out tpu_bench             # one chip (Colab's v5e-1 or v6e-1): at most 8 minutes
-    python scripts/tpu_bench.py --smoke --out /tmp/smoke     # a tiny model on the CPU, Pallas in interpret mode
+    python scripts/bench_tpu.py --out bench_tpu             # one chip (Colab's v5e-1 or v6e-1): at most 8 minutes
+    python scripts/bench_tpu.py --smoke --out /tmp/smoke     # a tiny model on the CPU, Pallas in interpret mode
 
 Prints the device and the library versions, then one line per measurement as it finishes, then
 a table (markdown). Writes every record to OUT/records.jsonl (one JSON object a line).
@@ -29,7 +29,7 @@ import jax
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from chip_bench import (  # noqa: E402
+from bench_chip import (  # noqa: E402
     CONFIG,
     SMOKE,
     Records,
@@ -89,7 +89,7 @@ def train_variant(base: list[str], variant: Variant, repeats: int, smoke: bool =
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="tpu_bench")
+    parser.add_argument("--out", default="bench_tpu")
     parser.add_argument("--smoke", action="store_true", help="a tiny model on the CPU, Pallas in interpret mode")
     parser.add_argument("--variants", default="all", help="names, separated by ';' (default: all)")
     parser.add_argument("--repeats", type=int, default=5)

@@ -1,7 +1,7 @@
 """How long a config's train step would take if it did nothing but its matmuls: XLA against PyTorch.
 
-    .venv/bin/python scripts/dot_floor.py --config experiments/shakespeare_char.toml
-    .venv/bin/python scripts/dot_floor.py --config experiments/day1.toml --set train.batch_size=32
+    .venv/bin/python scripts/bench_dot_floor.py --config experiments/shakespeare_char.toml
+    .venv/bin/python scripts/bench_dot_floor.py --config experiments/day1.toml --set train.batch_size=32
 
 Every `dot_general` of the traced train step (forward, recomputation and backward; those inside the
 layer scan counted once per layer) is timed alone at its own shape and layout: in XLA (one compiled
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
         shapes = f"{r['lhs']} x {r['rhs']} ({lc}{rc}; {lb}{rb})".replace(",)", ")")
         print(f"{shapes:56s} {r['count']:5d} "
               f"{r['gflop'] / r['xla_ms'] * 1e3:11.0f} {t} {r['count'] * r['xla_ms']:7.2f}", file=sys.stderr)
-    print(json.dumps({"mode": "dot_floor", "step_ms": round(measured_step, 2), "xla_dots_ms": round(xla_total, 2),
+    print(json.dumps({"mode": "bench_dot_floor", "step_ms": round(measured_step, 2), "xla_dots_ms": round(xla_total, 2),
                       "torch_dots_ms": torch_total and round(torch_total, 2),
                       "dot_gflop": round(sum(r["count"] * r["gflop"] for r in rows), 3),
                       "batch": cfg.train.batch_size, "context": cfg.model.context_length,

@@ -15,8 +15,8 @@ from pathlib import Path
 from jaxgpt.config import RunConfig
 from jaxgpt.data.batches import RunData, document_token, window_length
 from jaxgpt.data.documents import Source, listing_changes
-from jaxgpt.data.prepare import Plan, build_store, is_large
-from jaxgpt.data.preparer import prepared_once
+from jaxgpt.data.store_builder import StoreSpec, build_store, is_large
+from jaxgpt.data.store_lock import prepared_once
 from jaxgpt.data.sources import open_source
 from jaxgpt.data.store import (
     TokenSplits,
@@ -87,7 +87,7 @@ def _prepared(cfg: RunConfig, source: Source, own: Tokenizer | None, cache: Path
     key = store_key(source.identity, digest, tokenizer, data.shard_tokens, data.val_fraction)
     folder = cache / "stores" / key
     tokens = prepared_once(cache, key, folder, lambda: open_store(folder), lambda: build_store(
-        Plan(folder, key, source, listing, tokenizer, data.shard_tokens), workers, progress))
+        StoreSpec(folder, key, source, listing, tokenizer, data.shard_tokens), workers, progress))
     remember_listing(cache, source.identity, listing, folder)
     return tokenizer, tokens
 
