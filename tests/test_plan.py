@@ -75,29 +75,39 @@ def test_the_speedrun_block_compiles_every_program_with_cudnn_attention(h100):
 
 
 def test_a_long_short_windowed_model_runs_cudnn_attention_in_both_kinds_of_block(h100):
+    """The scanned block's body picks its kernel by the traced window (lax.cond): one forward and
+    one backward cuDNN call with the sliding window of 128 keys (the windowed block), one of each
+    with none (the whole-context block). A windowed block handed to XLA's masked attention, or a
+    window lost on its way to cuDNN, leaves no call with the window."""
     record = h100[-1]
     assert "failure" not in record, record.get("failure")
     assert record["kernels"] == "gpu"  # the probe compiled cuDNN's sliding window and its causal mask
-    assert {"__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"} <= set(record["compiled"]["custom_calls"])
+    assert record["compiled"]["cudnn_attention"] == {
+        "__cudnn$fmhaSoftmax/0": 1, "__cudnn$fmhaSoftmax/128": 1,
+        "__cudnn$fmhaSoftmaxBackward/0": 1, "__cudnn$fmhaSoftmaxBackward/128": 1}
 
 
-FIT_MODEL = [*LAYERS, "model.n_layers=8", "model.context_length=1024"]  # over a hundred rows to an H100
+FIT_MODEL = [*LAYERS, "model.n_layers=2", "model.context_length=1024"]
+# 2 % of each card (1.6 GB of an H100's 79 GiB): over a hundred of these rows, in programs that stay
+# small and quick to compile, far from where XLA's GPU compiler starts recomputing to fit the card.
+FIT_HEADROOM = 0.02
 
 
 def test_fit_finds_the_largest_batch_a_compile_confirms():
     """`dry-run --fit` from the command line: its batch fits (every program compiled at it), twice
     it does not, it splits over the cards, and stderr holds only jaxgpt's lines."""
     sets = [arg for item in FIT_MODEL for arg in ("--set", item)]
-    out = subprocess.run([sys.executable, "-m", "jaxgpt", "dry-run", *sets, "--target", "h100-2", "--fit"],
-                         capture_output=True, text=True, timeout=900)
+    out = subprocess.run([sys.executable, "-m", "jaxgpt", "dry-run", *sets, "--target", "h100-2", "--fit",
+                          "--headroom", str(FIT_HEADROOM)], capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr
     assert not foreign_lines(out.stderr), out.stderr
     record = json.loads(out.stdout)
     batch = record["largest_batch"]
     assert batch > 100 and batch % 2 == 0 and record["batch_size"] == batch and record["fits"] is True
+    assert record["peak_bytes"] <= FIT_HEADROOM * record["compiled"]["device_bytes"]
     [twice] = planning.plans([load_config(None, [*FIT_MODEL, f"train.batch_size={2 * batch}"])], "h100-2",
-                             programs=("train",))
-    assert twice["fits"] is False and twice["peak_bytes"] > 0.9 * twice["compiled"]["device_bytes"]
+                             programs=("train",), headroom=FIT_HEADROOM)
+    assert twice["fits"] is False and twice["peak_bytes"] > FIT_HEADROOM * twice["compiled"]["device_bytes"]
 
 
 def test_the_search_finds_the_largest_fitting_multiple_in_a_few_compiles():

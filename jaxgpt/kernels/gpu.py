@@ -26,14 +26,16 @@ from jaxgpt.kernels.head_loss import mean_head_loss
 
 def causal_attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, *, train: bool = False,
                      remat: bool = False, mesh: Any = None, axes: tuple[str, ...] | None = None,
-                     window: int = 0) -> jax.Array:
+                     window: int = 0, implementation: str = "cudnn") -> jax.Array:
     """cuDNN's attention in 16-bit dtypes (with `mesh`, run per device on its rows: cuDNN's own
     partitioner fails under FSDP), XLA's in float32; with a static `window`, cuDNN's sliding
-    window (the query at t reads keys t - window + 1 .. t), which skips the blocks before it."""
+    window (the query at t reads keys t - window + 1 .. t), which skips the blocks before it.
+    `implementation="xla"`: the same call, masks included, through jax's reference
+    implementation of cuDNN's (what a machine without a GPU can run)."""
     if q_BTHD.dtype not in (jnp.bfloat16, jnp.float16):  # cuDNN's flash kernel has no float32
         return xla.attention(q_BTHD, k_BTKD, v_BTKD, window=window or None)
     local = {"local_window_size": (window - 1, 0)} if window else {}
-    attend = functools.partial(jax.nn.dot_product_attention, is_causal=True, implementation="cudnn", **local)
+    attend = functools.partial(jax.nn.dot_product_attention, is_causal=True, implementation=implementation, **local)
     return (attend if mesh is None else per_device(attend, mesh, axes))(q_BTHD, k_BTKD, v_BTKD)
 
 

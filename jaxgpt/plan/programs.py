@@ -89,8 +89,9 @@ def compile_lowered(lowered: Any, arguments: Any, compiler_options: dict[str, An
         total = used if used is not None else None if temp is None else temp + sharding.bytes_per_device(arguments)
         return {"refused": message, "temp_bytes": temp, "total_bytes": total,
                 "available_bytes": _stated_bytes(message, _AVAILABLE)}
-    return {**memory_figures(compiled), "custom_calls": custom_calls(compiled),
-            "compile_s": round(time.perf_counter() - start, 3)}
+    text = program_text(compiled)
+    return {**memory_figures(compiled), "custom_calls": custom_calls(text),
+            "cudnn_attention": cudnn_attention_calls(text), "compile_s": round(time.perf_counter() - start, 3)}
 
 
 def _stated_bytes(message: str, patterns: tuple[re.Pattern, ...]) -> int | None:
@@ -99,14 +100,35 @@ def _stated_bytes(message: str, patterns: tuple[re.Pattern, ...]) -> int | None:
     return None if found is None else round(float(found.group(1)) * _UNITS[found.group(2)])
 
 
-def custom_calls(compiled: Any) -> list[str]:
-    """The custom calls a compiled program makes (a Pallas kernel's `tpu_custom_call`, cuDNN's
-    `__cudnn$fmha...`): which hand-written kernels made it into the program."""
+def program_text(compiled: Any) -> str:
+    """The optimised HLO text of a compiled program ("" where the backend cannot print it)."""
     try:
-        text = compiled.as_text()
+        return compiled.as_text() or ""
     except Exception:  # a backend that cannot print its program
-        return []
-    return sorted(set(re.findall(r'custom_call_target="([^"]+)"', text or "")))
+        return ""
+
+
+def custom_calls(text: str) -> list[str]:
+    """The custom calls an HLO program makes (a Pallas kernel's `tpu_custom_call`, cuDNN's
+    `__cudnn$fmha...`): which hand-written kernels made it into the program."""
+    return sorted(set(re.findall(r'custom_call_target="([^"]+)"', text)))
+
+
+_CUDNN_CALL = re.compile(r'custom_call_target="(__cudnn\$fmha\w*)".*?"sliding_window_length":\s*"?(\d+)')
+
+
+def cudnn_attention_calls(text: str) -> dict[str, int]:
+    """How many of cuDNN's attention calls an HLO program makes, by kind and sliding window:
+    "__cudnn$fmhaSoftmax/128" for the forward pass of a block whose queries read their last 128
+    keys, ".../0" for a whole-context one. Each call site counts once (a scanned block stack's
+    body holds one per kind of block)."""
+    counts: dict[str, int] = {}
+    for line in text.splitlines():
+        found = _CUDNN_CALL.search(line)
+        if found:
+            key = f"{found.group(1)}/{int(found.group(2))}"
+            counts[key] = counts.get(key, 0) + 1
+    return dict(sorted(counts.items()))
 
 
 def planned_memory(cfg: RunConfig, mesh: Mesh | None) -> dict[str, Any]:
