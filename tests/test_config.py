@@ -133,6 +133,10 @@ def test_ffn_match_params_refuses_another_explicit_hidden_size():
     (["model.position=alibi"], "model.position = 'alibi' is not one of learned, rope, sinusoidal"),
     (["model.position=sinusoidal", "model.d_model=9", "model.n_heads=1"],
      "model.position = 'sinusoidal' needs an even d_model, got 9"),
+    (["model.position=rope", "model.d_model=36", "model.n_heads=4"],
+     "model.position = 'rope' needs an even head size, got 9"),
+    (["model.dropout=1.0"], "model.dropout = 1.0 must be in [0, 1)"),
+    (["model.dropout=-0.1"], "model.dropout = -0.1 must be in [0, 1)"),
     (["model.n_head=2"], "unknown config key model.n_head (did you mean 'n_heads'?)"),
     (["modle.n_heads=2"], "unknown config section 'modle' (did you mean 'model'?)"),
     (["model.d_model=big"], "model.d_model = 'big' must be an integer"),
@@ -205,6 +209,8 @@ def test_dry_run_bad_input_is_one_line_without_traceback():
     (["--set", "model.kv_heads=3"], "not divisible by model.kv_heads"),
     (["--seq-len", "129"], "sequence exceeds context_length"),
     (["--config", "missing.toml"], "config file not found"),
+    (["--fit", "--headroom", "1.5"], "--headroom 1.5: a share of the chip's memory, in (0, 1]"),
+    (["--headroom", "0"], "--headroom 0.0: a share of the chip's memory, in (0, 1]"),
 ])
 def test_dry_run_errors_in_process(args, message, capsys):
     assert main(["dry-run", *args]) == 2

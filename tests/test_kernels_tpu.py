@@ -35,6 +35,16 @@ def test_blocks_follow_the_sequence_length():
     assert tpu.splash_layout(200, max_block=128) == (256, 128)
 
 
+def _pallas_calls(fn, *args) -> int:
+    """How many Pallas kernels `fn` calls (the TPU set's are splash attention's)."""
+    return str(jax.make_jaxpr(fn)(*args)).count("pallas_call")
+
+
+def _has_splash(fn, *args) -> bool:
+    """Whether `fn` runs a Pallas kernel."""
+    return _pallas_calls(fn, *args) > 0
+
+
 def _attend(attention, q, k, v, cotangent, remat):
     """The output and the gradients a cotangent pulls back, through `jax.checkpoint` under remat
     (as `model.remat` wraps each block)."""
@@ -44,8 +54,10 @@ def _attend(attention, q, k, v, cotangent, remat):
 
 
 def _both(q, k, v, cotangent, remat):
-    """Splash's and the portable attention's (output, gradients), as float32 arrays, from one program."""
+    """Splash's and the portable attention's (output, gradients), as float32 arrays, from one
+    program, which runs a Pallas kernel (a set that routed to XLA would compare XLA with itself)."""
     both = jax.jit(lambda *args: (_attend(SPLASH.attention, *args, remat), _attend(xla.attention, *args, remat)))
+    assert _has_splash(both, q, k, v, cotangent)
     return jax.tree_util.tree_map(lambda x: np.asarray(x, np.float32), both(q, k, v, cotangent))
 
 
@@ -83,11 +95,6 @@ def test_gpt2s_head_size_runs_the_kernel_where_jax_takes_it_else_the_portable_se
     (got, got_grads), (want, want_grads) = _both(q, k, v, jax.random.normal(jax.random.key(7), q.shape), False)
     for name, g, w in [("out", got, want), *zip(("dq", "dk", "dv"), got_grads, want_grads)]:
         np.testing.assert_allclose(g, w, rtol=0, atol=1e-5, err_msg=name)
-
-
-def _has_splash(fn, *args) -> bool:
-    """Whether `fn` runs a Pallas kernel (the TPU set's one is splash attention)."""
-    return "pallas_call" in str(jax.make_jaxpr(fn)(*args))
 
 
 def test_splash_runs_every_uncached_pass_from_128_positions(random_qkv):
@@ -194,6 +201,7 @@ def test_splash_attention_with_segments_equals_the_portable_attention(random_qkv
         out, pullback = jax.vjp(lambda q, k, v: attention(q, k, v, train=True, segment_ids=ids), q, k, v)
         return out, pullback(cotangent)
 
+    assert _has_splash(lambda: run(SPLASH.attention)) and _has_splash(lambda: run(SPLASH.on_mesh(mesh).attention))
     outputs = jax.jit(lambda: (run(SPLASH.attention), run(SPLASH.on_mesh(mesh).attention), run(xla.attention)))()
     (got, got_grads), (on_mesh, mesh_grads), (want, want_grads) = jax.tree_util.tree_map(np.asarray, outputs)
     for name, g, m, w in [("out", got, on_mesh, want), *zip(("dq", "dk", "dv"), got_grads, mesh_grads, want_grads)]:
@@ -214,11 +222,16 @@ def test_splash_local_mask_equals_the_portable_windowed_attention(random_qkv, wi
     cotangent = jax.random.normal(jax.random.key(7), q.shape)
 
     def run(attention, traced):
-        f = lambda q, k, v: attention(q, k, v, train=True, segment_ids=ids, window=jnp.int32(traced))
+        masks = {} if traced is None else {"window": jnp.int32(traced)}
+        f = lambda q, k, v: attention(q, k, v, train=True, segment_ids=ids, **masks)
         out, pullback = jax.vjp(f, q, k, v)
         return out, pullback(cotangent)
 
     cases = [window] + ([] if every_block else [0])  # a windowed block, and a whole-context one
+    # Splash's forward and backward kernels, once for a set of windowed blocks alone, twice where
+    # lax.cond holds the local mask's and the causal one's: a windowed call handed to XLA has fewer.
+    one_kernel = _pallas_calls(lambda: run(SPLASH.attention, None))
+    assert one_kernel >= 2 and _pallas_calls(lambda: run(windowed.attention, window)) == len(cases) * one_kernel
     outputs = jax.jit(lambda: [(run(windowed.attention, w), run(xla.attention, w)) for w in cases])()
     for (got, got_grads), (want, want_grads) in jax.tree_util.tree_map(np.asarray, outputs, is_leaf=lambda x: isinstance(x, jax.Array)):
         for name, g, w in [("out", got, want), *zip(("dq", "dk", "dv"), got_grads, want_grads)]:

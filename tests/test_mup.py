@@ -61,18 +61,40 @@ def test_adamw_moves_hidden_matrices_by_its_rate_over_m_and_muon_by_its_own_shap
         np.testing.assert_allclose(mup[path], ratio * sp[path], rtol=1e-6, atol=1e-12, err_msg=path)
 
 
-@pytest.mark.parametrize("change", [{}, {"logit_softcap": 5.0}, {"mup_base_head_size": 32}, {"qk_norm": True}])
+def folded_by_hand(mup: ModelConfig, params) -> tuple[ModelConfig, dict]:
+    """The standard model that computes what `mup` computes on `params`: the untied head's kernel
+    over m; the attention's sqrt(D_base / D) in the query projection's columns, or, under QK-norm
+    (which would normalise a scaled projection away), in SP's own attention_scale."""
+    m, D = mup.d_model / mup.mup_base_width, mup.head_size
+    factor = (mup.mup_base_head_size / D) ** 0.5 if mup.mup_base_head_size else 1.0
+    sp = dataclasses.replace(mup, parametrization="sp", mup_base_head_size=0)
+    params = jax.tree_util.tree_map(np.array, params)
+    params["lm_head"]["kernel"] = params["lm_head"]["kernel"] / m
+    if mup.qk_norm:  # the queries carry attention_scale * sqrt(D); every kernel divides by sqrt(D)
+        sp = dataclasses.replace(sp, attention_scale=factor * (mup.attention_scale or D ** -0.5))
+    else:
+        params["blocks"]["attention"]["qkv"]["kernel"][..., :mup.n_heads * D] *= factor
+    return sp, params
+
+
+@pytest.mark.parametrize("change", [{}, {"logit_softcap": 5.0}, {"mup_base_head_size": 32},
+                                    {"qk_norm": True, "mup_base_head_size": 32}])
 def test_the_output_multiplier_and_attention_scale_are_what_folding_them_into_the_weights_gives(change):
     """The head reads its input times 1 / m, before any softcap, and the queries carry
-    sqrt(D_base / D): the standard model with the untied head's kernel over m and the query
-    projection times sqrt(D_base / D) computes the same logits."""
+    sqrt(D_base / D): the standard model with those factors folded in by hand computes the same
+    logits, and the exporter's folding (`mup_folded`, which refuses QK-norm) gives those weights."""
     mup = dataclasses.replace(WIDE, **change)
-    sp = dataclasses.replace(mup, parametrization="sp", mup_base_head_size=0)
     params = init_params(mup, jax.random.key(0))
     tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, 64)
     got = forward(params, mup, tokens)
-    np.testing.assert_allclose(got, forward(mup_folded(mup, params), sp, tokens), rtol=0, atol=1e-5)
-    assert np.abs(np.asarray(got - forward(params, sp, tokens))).max() > 1e-3  # the multipliers matter
+    sp, folded = folded_by_hand(mup, params)
+    np.testing.assert_allclose(got, forward(folded, sp, tokens), rtol=0, atol=1e-5)
+    plain = dataclasses.replace(mup, parametrization="sp", mup_base_head_size=0)
+    assert np.abs(np.asarray(got - forward(params, plain, tokens))).max() > 1e-3  # the multipliers matter
+    if not mup.qk_norm:
+        exported = mup_folded(mup, params)
+        for (path, want), have in zip(jax.tree_util.tree_leaves_with_path(folded), jax.tree_util.tree_leaves(exported)):
+            np.testing.assert_allclose(have, want, rtol=1e-6, err_msg=jax.tree_util.keystr(path))
 
 
 def test_export_folds_the_untied_head_and_refuses_a_tied_one_off_the_base_width(tmp_path):
