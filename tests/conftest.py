@@ -64,3 +64,51 @@ def random_qkv():
         return (jax.random.normal(kq, (B, T, H, D), dtype), jax.random.normal(kk, (B, T, K, D), dtype),
                 jax.random.normal(kv, (B, T, K, D), dtype))
     return make
+
+
+@pytest.fixture
+def waits(monkeypatch):
+    """The ids of the results anything waited for with `jax.block_until_ready`, in order."""
+    seen: list[int] = []
+    real = jax.block_until_ready
+
+    def recording(tree):
+        seen.append(id(tree))
+        return real(tree)
+
+    monkeypatch.setattr(jax, "block_until_ready", recording)
+    return seen
+
+
+@pytest.fixture
+def in_flight_windows(monkeypatch, waits):
+    """`watch(module)` makes the `InFlight` windows that `module` opens record what passes through
+    them (kept alive, so their ids stay theirs); `check(window)` asserts that the window held at
+    most its limit: each result beyond it was waited for, oldest first, before the next was sent."""
+    from jaxgpt.process import dispatch
+
+    windows: list = []
+
+    class Recording(dispatch.InFlight):
+        def __init__(self, limit: int = dispatch.IN_FLIGHT) -> None:
+            super().__init__(limit)
+            self.added: list = []
+            self.waits_before: list[int] = []  # how many waits had happened as each result came
+            windows.append(self)
+
+        def add(self, result):
+            self.waits_before.append(len(waits))
+            self.added.append(result)
+            return super().add(result)
+
+    def watch(module) -> list:
+        monkeypatch.setattr(module, "InFlight", Recording)
+        return windows
+
+    def check(window) -> None:
+        ids = [id(result) for result in window.added]
+        waited = list(dict.fromkeys(w for w in waits if w in set(ids)))  # first waits, in order
+        assert waited[:len(ids) - window.limit] == ids[:len(ids) - window.limit]
+        for i in range(window.limit + 1, len(ids)):  # result i - limit - 1 was waited for before result i came
+            assert ids[i - window.limit - 1] in waits[:window.waits_before[i]], i
+    return watch, check

@@ -31,20 +31,6 @@ def test_unreplicate_reads_the_first_copy_on_one_device():
     assert int(back["n"]) == 5
 
 
-@pytest.fixture
-def waits(monkeypatch):
-    """The ids of the results InFlight waited for, in order."""
-    seen: list[int] = []
-    real = jax.block_until_ready
-
-    def recording(tree):
-        seen.append(id(tree))
-        return real(tree)
-
-    monkeypatch.setattr(dispatch.jax, "block_until_ready", recording)
-    return seen
-
-
 def test_in_flight_waits_for_the_oldest_beyond_its_limit(waits):
     window = dispatch.InFlight(limit=3)
     results = [window.add(jnp.full((2,), float(i))) for i in range(10)]
@@ -71,19 +57,27 @@ def test_evaluate_keeps_a_few_batches_in_flight(waits, monkeypatch):
     assert waits == [id(r) for r in sent[:12 - limit]]
 
 
+def two_cores() -> None:
+    """The child runs on two of the machine's cores: XLA:CPU's pool for 8 devices is then 8
+    threads, as on the small machines where a burst deadlocks (on more cores its pool is larger,
+    and a burst with no window would pass)."""
+    os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:2])
+
+
 def test_a_long_eval_on_a_mesh_finishes_in_pmap_and_sharded_runs(tmp_path):
-    """200 eval batches over 8 devices: a burst that deadlocked both modes, aborting in XLA's
-    rendezvous (10 s here instead of 40)."""
+    """160 eval batches over 8 devices, on two cores: a burst that deadlocks both modes without the
+    window (from about 120 batches on), aborting in XLA's rendezvous (10 s here instead of 40)."""
     corpus = write_corpus(tmp_path / "corpus.txt")
     env = {**os.environ, "JAX_PLATFORMS": "cpu",
            "XLA_FLAGS": f"{xla_flags(8)} --xla_cpu_collective_call_terminate_timeout_seconds=10"}
-    sets = ["train.steps=2", "train.eval_every=2", "train.eval_batches=200", "model.context_length=32",
+    sets = ["train.steps=2", "train.eval_every=2", "train.eval_batches=160", "model.context_length=32",
             "model.d_model=32", "model.n_heads=4", "train.batch_size=8", "data.tokenizer=char",
             "model.vocab_size=64", "train.sample_tokens=0"]
     runs = {mode: subprocess.Popen(
         [sys.executable, "-m", "jaxgpt", "train", "--out", str(tmp_path / mode), "--no-progress", "--data", str(corpus),
          *[a for s in [*sets, f"train.parallel={mode}"] for a in ("--set", s)]],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for mode in ("pmap", "sharded")}
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=two_cores)
+        for mode in ("pmap", "sharded")}
     for mode, process in runs.items():
         _, err = process.communicate(timeout=600)
         assert "rendezvous" not in err and process.returncode == 0, (mode, err[-3000:])

@@ -77,6 +77,23 @@ def test_each_pair_scores_as_its_own_row_shared_or_not(params, monkeypatch):
     assert scoring.score_pairs(params, CFG, pairs[::-1], batch_size=8, vocab_limit=VOCAB_LIMIT) == got[::-1]
 
 
+def test_the_batches_are_never_all_in_flight_at_once(params, monkeypatch, in_flight_windows):
+    """Each batch sent (row or shared path) passes through one window of `dispatch.IN_FLIGHT`
+    (a batch is a program over every device of a mesh: a burst deadlocks XLA:CPU)."""
+    from jaxgpt.process import dispatch
+
+    watch, check = in_flight_windows
+    windows = watch(scoring)
+    sent = []
+    for path in ("_score_shared", "_score_rows"):
+        monkeypatch.setattr(scoring, path, lambda *a, real=getattr(scoring, path), **k: sent.append(real(*a, **k)) or sent[-1])
+    scoring.score_pairs(params, CFG, _pairs(), batch_size=4, vocab_limit=VOCAB_LIMIT)
+    [window] = windows
+    assert window.limit == dispatch.IN_FLIGHT and len(sent) > window.limit + 2
+    assert [id(r) for r in window.added] == [id(r) for r in sent]
+    check(window)
+
+
 @pytest.mark.parametrize("pair, message", [(([], [1]), "at least one token"),
                                            (([1], [2] * 33), "longer than model.context_length")])
 def test_bad_pairs_are_refused(params, pair, message):

@@ -107,6 +107,24 @@ def test_three_seeds_compile_once_and_equal_their_single_runs(base_file, tmp_pat
     assert len(set(finals)) == 3  # the seeds really differ
 
 
+def test_a_group_never_has_more_than_a_few_programs_in_flight(base_file, tmp_path, in_flight_windows):
+    """Every step and every eval batch of a group passes through one window of
+    `dispatch.IN_FLIGHT` (a group's programs span every device of its mesh: a burst deadlocks
+    XLA:CPU, tests/test_collective_order.py)."""
+    from jaxgpt.process import dispatch
+
+    watch, check = in_flight_windows
+    windows = watch(sweep_module)
+    runs = members(load_sweep(write_sweep(tmp_path, sweep_text(base_file, 2, ("baseline", [])))))
+    cfg = runs[0].config.train
+    train_group(runs, prepare_data(runs[0].config, tmp_path), progress=False)
+    [window] = windows
+    assert window.limit == dispatch.IN_FLIGHT
+    evals = cfg.steps // cfg.eval_every
+    assert len(window.added) == cfg.steps + evals * cfg.eval_batches > window.limit + 2
+    check(window)
+
+
 def test_optimiser_variant_vmapped_with_baseline_equals_its_single_run(base_file, tmp_path, capsys, monkeypatch):
     path = write_sweep(tmp_path, sweep_text(base_file, 1, ("baseline", []), ("hot", LR_VARIANT),
                                             ("rms", ["model.norm=rmsnorm"])))
