@@ -26,6 +26,7 @@ def cmd_dry_run(args: argparse.Namespace) -> int:
     from jaxgpt.model.decoder import count_params, forward, init_params
     from jaxgpt.plan.api import plan
     from jaxgpt.plan.programs import planned_memory
+    from jaxgpt.plan.report import HEADROOM
     from jaxgpt.train import sharding
 
     cfg = load_config(args.config, args.overrides)
@@ -33,6 +34,9 @@ def cmd_dry_run(args: argparse.Namespace) -> int:
         from jaxgpt.plan.targets import target
 
         target(args.target)  # an unknown name, before any work
+    headroom = HEADROOM if args.headroom is None else args.headroom
+    if not 0.0 < headroom <= 1.0:
+        raise UserError(f"--headroom {args.headroom}: a share of the chip's memory, in (0, 1]")
     model = cfg.model
     seq_len = args.seq_len or model.context_length
     params = jax.eval_shape(lambda: init_params(model, jax.random.key(0)))
@@ -41,9 +45,9 @@ def cmd_dry_run(args: argparse.Namespace) -> int:
     record = {"config_sha256": cfg.fingerprint(), "parameters": count_params(params),
               "logits_shape": list(logits.shape)}
     if args.target is not None:
-        record.update(plan(cfg, args.target, fit=args.fit))
+        record.update(plan(cfg, args.target, fit=args.fit, headroom=headroom))
     elif args.compile or args.fit:
-        record.update(plan(cfg, fit=args.fit, programs=("train",)))
+        record.update(plan(cfg, fit=args.fit, programs=("train",), headroom=headroom))
     else:
         mode = sharding.resolve_mode(cfg.train, jax.device_count())
         mesh = sharding.make_mesh(cfg.train) if mode == "sharded" else None
