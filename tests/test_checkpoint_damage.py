@@ -1,8 +1,9 @@
-"""Damage to any file of a checkpoint is found before Orbax reads it: `--resume` moves the
-checkpoint aside in one line, falls back to the previous one, and ends bitwise equal to a run never
-interrupted. Bytes overwritten at several offsets, a file cut short, removed or zeroed, in every
-kind of file a checkpoint holds; checkpoints written without a record of their files keep the
-older check; a checkpoint whose files match their record is never moved."""
+"""Damage to any file of a checkpoint is found before Orbax reads it. `verify` names the first
+damaged file for bytes overwritten at several offsets, a file cut short, removed or zeroed, in
+every kind of file a checkpoint holds; each way it can say so, met end to end, makes `--resume`
+move the checkpoint aside in one line, fall back to the previous one, and end bitwise equal to a
+run never interrupted. Checkpoints written without a record of their files keep the older check;
+a checkpoint whose files match their record is never moved."""
 
 import json
 import re
@@ -14,7 +15,7 @@ from jaxgpt_lines import foreign_lines
 from test_checkpoint import OVERRIDES, STEPS, assert_bitwise_equal, corpus, full_state, reference  # noqa: F401 (fixtures)
 
 from jaxgpt.cli.main import main
-from jaxgpt.train.checkpoint_files import MANIFEST_KEY, RECORD, write_record
+from jaxgpt.train.checkpoint_files import MANIFEST_KEY, RECORD, Damaged, verify, write_record
 
 EVERY = 4  # test_checkpoint's train.checkpoint_every
 
@@ -87,14 +88,50 @@ def assert_fell_back_once(code, err, run, reference) -> None:
     assert_bitwise_equal(full_state(run), reference[1])
 
 
+def expected_damage(checkpoint: Path, path: Path, harm: str) -> str:
+    """What `verify` says of `path` damaged by `harm`: the step metadata's as not parsing, any
+    other file by how it differs from its record; the record's own damage as the record's, or,
+    where the record still parses, as an entry of it that no longer matches its file."""
+    name = str(path.relative_to(checkpoint))
+    if name == RECORD:
+        return (rf"its {re.escape(RECORD)} (is missing|does not parse)"
+                rf"|.+ (is missing|holds \d+ bytes, \d+ were written|does not match the checksum written with it)")
+    if name == STEP_METADATA:
+        return rf"{STEP_METADATA} (is missing|does not parse)"
+    if harm == "removed":
+        return rf"{re.escape(name)} is missing"
+    if harm == "cut to half":
+        return rf"{re.escape(name)} holds \d+ bytes, \d+ were written"
+    return rf"{re.escape(name)} does not match the checksum written with it"
+
+
 @pytest.mark.parametrize("pattern,harm", [
     *((FILES[kind], harm) for kind in FILES for harm in HARMS),
     *((STEP_METADATA, harm) for harm in ("the last 7 bytes", "cut to half", "removed", "zeros")),
 ], ids=[*(f"{kind}-{harm}" for kind in FILES for harm in HARMS),
         *(f"step metadata-{harm}" for harm in ("the last 7 bytes", "cut to half", "removed", "zeros"))])
-def test_any_damage_to_any_file_falls_back_in_one_line_and_resumes_bitwise(reference, corpus, tmp_path, capsys,
-                                                                          pattern, harm):
-    run = damaged_copy(reference, tmp_path, pattern, harm)
+def test_verify_names_any_damage_to_any_file(reference, tmp_path, pattern, harm):
+    checkpoint = shutil.copytree(reference[0] / "checkpoints" / str(STEPS), tmp_path / str(STEPS))
+    assert verify(checkpoint) is True  # undamaged, it verifies
+    paths = files_of(checkpoint, pattern)
+    for path in paths:
+        HARMS[harm](path)
+    with pytest.raises(Damaged) as error:
+        verify(checkpoint)
+    assert re.fullmatch(expected_damage(checkpoint, paths[0], harm), str(error.value)), str(error.value)
+
+
+# One end-to-end resume for each way `verify` reports damage: a file of other bytes, of another
+# size, missing; the record itself; the step metadata.
+@pytest.mark.parametrize("kind,harm", [
+    ("array data (OCDBT data file)", "zeros"),
+    ("tree metadata (shapes, dtypes)", "cut to half"),
+    ("OCDBT manifest", "removed"),
+    ("jaxgpt's file record", "7 bytes in the middle"),
+    ("step metadata", "the last 7 bytes"),
+])
+def test_damage_falls_back_in_one_line_and_resumes_bitwise(reference, corpus, tmp_path, capsys, kind, harm):
+    run = damaged_copy(reference, tmp_path, STEP_METADATA if kind == "step metadata" else FILES[kind], harm)
     code, err = resume(corpus, run, capsys)
     assert_fell_back_once(code, err, run, reference)
 
