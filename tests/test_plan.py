@@ -25,14 +25,20 @@ REMAT = ["none", "dots", "full"]
 
 
 @pytest.fixture(scope="module")
-def h100():
-    """For one H100: the attention in bfloat16 (every program), then in float32 and the three remat
-    policies on a 4-layer model (the train step); then every program of the speedrun block, and
-    the train step of a long-short windowed model."""
+def hlo_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("hlo")
+
+
+@pytest.fixture(scope="module")
+def h100(hlo_root):
+    """For one H100: the attention in bfloat16 (every program, its HLO text written to
+    hlo_root/mha), then in float32 and the three remat policies on a 4-layer model (the train
+    step); then every program of the speedrun block, and the train step of a long-short windowed model."""
     cfgs = [attention("mha", 256, 64, "float32")]
     cfgs += [load_config(None, [*LAYERS, "train.batch_size=8", f"model.remat={policy}"]) for policy in REMAT]
     cfgs += [attention("gqa", 512, 64, "bfloat16", *WINDOWED)]
-    every = planning.plans([attention("mha", 256, 64, "bfloat16"), SPEEDRUN_BLOCK], "h100-1")
+    every = planning.plans([attention("mha", 256, 64, "bfloat16"), SPEEDRUN_BLOCK], "h100-1",
+                           hlo_dirs=[hlo_root / "mha", None])
     trains = planning.plans(cfgs, "h100-1", programs=("train",))
     return [every[0], *trains[:-1], every[1], trains[-1]]
 
@@ -64,6 +70,35 @@ def test_a_plan_compiles_train_eval_and_sampling_and_compares_them_with_the_chip
                                        compiled["decode"]["total_bytes"] + opt)
     assert record["fits"] is (record["peak_bytes"] <= 0.9 * compiled["device_bytes"])
     assert (record["target"], record["devices"], record["processes"]) == ("h100-1", 1, 1)
+
+
+def test_a_plan_writes_the_optimised_hlo_of_every_program_it_compiled(h100, hlo_root):
+    """The compiled programs' own text: the train step's cuDNN calls as the record counts them,
+    the sampler's prefill and its token loop (a while loop) apart."""
+    from jaxgpt.plan.programs import cudnn_attention_calls
+
+    folder = hlo_root / "mha"
+    texts = {name: (folder / f"{name}.hlo.txt").read_text() for name in ("train", "eval", "prefill", "decode")}
+    assert sorted(p.name for p in folder.iterdir()) == sorted(f"{name}.hlo.txt" for name in texts)
+    assert all(text.startswith("HloModule ") for text in texts.values())
+    compiled = h100[0]["compiled"]
+    assert cudnn_attention_calls(texts["train"]) == compiled["cudnn_attention"] != {}
+    assert cudnn_attention_calls(texts["eval"]) == compiled["eval"]["cudnn_attention"] != {}
+    assert "fmhaSoftmaxBackward" in texts["train"] and "fmhaSoftmaxBackward" not in texts["eval"]
+    assert " while(" in texts["decode"] and texts["decode"] != texts["prefill"]
+    assert ("HloModule jit__advance" in texts["decode"]) and ("HloModule jit__start" in texts["prefill"])
+
+
+def test_dry_run_hlo_writes_what_it_compiled_here_and_needs_a_compile(tmp_path, capsys):
+    sets = [arg for item in TINY for arg in ("--set", item)]
+    assert main(["dry-run", *sets, "--compile", "--hlo", str(tmp_path / "hlo")]) == 0
+    assert sorted(p.name for p in (tmp_path / "hlo").iterdir()) == ["train.hlo.txt"]
+    assert (tmp_path / "hlo" / "train.hlo.txt").read_text().startswith("HloModule jit_train_step")
+    assert capsys.readouterr().err.strip().endswith(f"in {tmp_path / 'hlo'}: train.hlo.txt")
+    assert main(["dry-run", *sets, "--hlo", str(tmp_path / "none")]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "jaxgpt dry-run: error: --hlo writes the programs a plan compiles: add --target NAME or --compile")
+    assert not (tmp_path / "none").exists()
 
 
 def test_the_speedrun_block_compiles_every_program_with_cudnn_attention(h100):

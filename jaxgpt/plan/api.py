@@ -18,6 +18,7 @@ memory it needs; it says nothing of speed.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from jaxgpt.config import ConfigError, RunConfig
@@ -31,13 +32,16 @@ __all__ = ["HEADROOM", "PROGRAMS", "Target", "known_names", "largest_fitting_bat
 
 def plan(cfg: RunConfig, target_name: str | None = None, *, fit: bool | int = False,
          programs: Sequence[str] = PROGRAMS, headroom: float = HEADROOM,
-         echo: Callable[[str], None] | None = None) -> dict[str, Any]:
+         echo: Callable[[str], None] | None = None, hlo_dir: str | Path | None = None) -> dict[str, Any]:
     """The plan of `cfg` on the target called `target_name` (compiled in a process of its own, by
     the target's compiler: `pip install 'jaxgpt[targets]'`), or on this machine's devices (None).
     `fit`: find the largest batch that fits first and plan that one (`largest_batch`, None if
-    none does); an integer: the largest up to that many rows. `echo` takes the compile process's progress lines (default: stderr). What cannot
-    be planned (a batch the chips cannot split, an unknown target) is a ConfigError."""
-    record = plans([cfg], target_name, fit=fit, programs=programs, headroom=headroom, echo=echo)[0]
+    none does); an integer: the largest up to that many rows. `echo` takes the compile process's progress lines (default: stderr).
+    `hlo_dir`: a folder for the optimised HLO text of each program planned (`train.hlo.txt`,
+    `eval.hlo.txt`, `prefill.hlo.txt`, `decode.hlo.txt`). What cannot be planned (a batch the
+    chips cannot split, an unknown target) is a ConfigError."""
+    record = plans([cfg], target_name, fit=fit, programs=programs, headroom=headroom, echo=echo,
+                   hlo_dirs=None if hlo_dir is None else [hlo_dir])[0]
     if "error" in record:
         raise ConfigError(record["error"])
     if "failure" in record:
@@ -47,16 +51,22 @@ def plan(cfg: RunConfig, target_name: str | None = None, *, fit: bool | int = Fa
 
 def plans(cfgs: Sequence[RunConfig], target_name: str | None = None, *, fit: bool | int = False,
           programs: Sequence[str] = PROGRAMS, headroom: float = HEADROOM,
-          echo: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+          echo: Callable[[str], None] | None = None,
+          hlo_dirs: Sequence[str | Path | None] | None = None) -> list[dict[str, Any]]:
     """`plan` of each config, a target's in one compile process; a config that cannot be planned
-    gives {"error": why} in its place, one its compiler failed on {"failure": what}."""
+    gives {"error": why} in its place, one its compiler failed on {"failure": what}. `hlo_dirs`:
+    each config's folder for its programs' HLO text (None: none written)."""
+    folders = [None if d is None else str(Path(d).resolve()) for d in (hlo_dirs or [None] * len(cfgs))]
+    if len(folders) != len(cfgs):
+        raise ValueError(f"{len(folders)} HLO folders for {len(cfgs)} configs")
     if target_name is None:
-        return [_plan_here(cfg, fit=fit, programs=programs, headroom=headroom) for cfg in cfgs]
+        return [_plan_here(cfg, fit=fit, programs=programs, headroom=headroom, hlo_dir=folder)
+                for cfg, folder in zip(cfgs, folders)]
     from jaxgpt.plan.compilers import run_worker
 
     spec = target(target_name)
-    requests = [{"config": cfg.to_dict(), "fit": fit, "programs": list(programs), "headroom": headroom}
-                for cfg in cfgs]
+    requests = [{"config": cfg.to_dict(), "fit": fit, "programs": list(programs), "headroom": headroom,
+                 "hlo_dir": folder} for cfg, folder in zip(cfgs, folders)]
     return run_worker(requests, spec, echo)
 
 
@@ -80,7 +90,8 @@ def plan_groups(groups: Sequence[tuple[RunConfig, int]], target_name: str | None
     return run_worker(requests, target(target_name), echo)
 
 
-def _plan_here(cfg: RunConfig, *, fit: bool | int, programs: Sequence[str], headroom: float) -> dict[str, Any]:
+def _plan_here(cfg: RunConfig, *, fit: bool | int, programs: Sequence[str], headroom: float,
+               hlo_dir: str | None = None) -> dict[str, Any]:
     import sys
 
     import jax
@@ -90,7 +101,8 @@ def _plan_here(cfg: RunConfig, *, fit: bool | int, programs: Sequence[str], head
 
     devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
     record = plan_on(cfg, devices, device_memory_bytes(jax.local_devices()[0]), fit=fit, programs=programs,
-                     headroom=headroom, progress=lambda line: print(f"jaxgpt plan: {line}", file=sys.stderr))
+                     headroom=headroom, progress=lambda line: print(f"jaxgpt plan: {line}", file=sys.stderr),
+                     hlo_dir=hlo_dir)
     return {"target": None, "devices": len(devices), "processes": jax.process_count(), **record}
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import re
 import time
+from pathlib import Path
 from typing import Any, Sequence
 
 import jax
@@ -73,11 +74,11 @@ def device_memory_bytes(device: jax.Device) -> int | None:
     return int(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
 
 
-def compile_lowered(lowered: Any, arguments: Any, compiler_options: dict[str, Any] | None = None
-                    ) -> dict[str, Any]:
+def compile_lowered(lowered: Any, arguments: Any, compiler_options: dict[str, Any] | None = None,
+                    hlo_path: Path | None = None) -> dict[str, Any]:
     """`memory_figures` of `lowered` compiled, with `compile_s`; a refusal for memory is a record
     with `refused` and, where the compiler said it, `total_bytes` = the temporaries it needed plus
-    the `arguments`' bytes."""
+    the `arguments`' bytes. `hlo_path`: where to write the compiled program's optimised HLO text."""
     start = time.perf_counter()
     try:
         compiled = lowered.compile(compiler_options=compiler_options)
@@ -90,6 +91,8 @@ def compile_lowered(lowered: Any, arguments: Any, compiler_options: dict[str, An
         return {"refused": message, "temp_bytes": temp, "total_bytes": total,
                 "available_bytes": _stated_bytes(message, _AVAILABLE)}
     text = program_text(compiled)
+    if hlo_path is not None:
+        Path(hlo_path).write_text(text, encoding="utf-8")
     return {**memory_figures(compiled), "custom_calls": custom_calls(text),
             "cudnn_attention": cudnn_attention_calls(text), "compile_s": round(time.perf_counter() - start, 3)}
 
@@ -154,36 +157,49 @@ def _shardings(tree: Any) -> Any:
     return jax.tree_util.tree_map(lambda leaf: leaf.sharding, tree)
 
 
+def _hlo_file(hlo_dir: Path | None, name: str) -> Path | None:
+    return None if hlo_dir is None else Path(hlo_dir) / f"{name}.hlo.txt"
+
+
 def compile_train(cfg: RunConfig, mesh: Mesh, compiler_options: dict[str, Any] | None = None,
-                  kernels: Kernels | None = None) -> dict[str, Any]:
+                  kernels: Kernels | None = None, hlo_dir: Path | None = None) -> dict[str, Any]:
     """The sharded train step (its state donated) on `mesh`: `compile_lowered`'s record with the
-    mesh and the lowering seconds. `kernels`: by default those chosen for the model."""
+    mesh and the lowering seconds. `kernels`: by default those chosen for the model; `hlo_dir`: a
+    folder to write the compiled program's HLO text to (`train.hlo.txt`)."""
     sharding.check_batch(cfg.train, mesh.shape["data"], mesh.shape["fsdp"])
     state, batch = abstract_state(cfg, mesh), _batch(cfg, mesh)
     start = time.perf_counter()
     lowered = sharding.sharded_train_step(cfg, mesh, _shardings(state), kernels).lower(state, batch)
     lower_s = time.perf_counter() - start
     return {"mesh": {axis: int(size) for axis, size in mesh.shape.items()},
-            **compile_lowered(lowered, (state, batch), compiler_options), "lower_s": round(lower_s, 3)}
+            **compile_lowered(lowered, (state, batch), compiler_options, _hlo_file(hlo_dir, "train")),
+            "lower_s": round(lower_s, 3)}
 
 
-def compile_eval(cfg: RunConfig, mesh: Mesh) -> dict[str, Any]:
-    """The sharded eval step on `mesh`, at the train batch (as the training loop evaluates)."""
+def compile_eval(cfg: RunConfig, mesh: Mesh, hlo_dir: Path | None = None) -> dict[str, Any]:
+    """The sharded eval step on `mesh`, at the train batch (as the training loop evaluates);
+    `hlo_dir`: where to write its HLO text (`eval.hlo.txt`)."""
     params, batch = abstract_state(cfg, mesh).params, _batch(cfg, mesh)
     lowered = sharding.sharded_eval_step(cfg, mesh, _shardings(params)).lower(params, batch)
-    return compile_lowered(lowered, (params, batch))
+    return compile_lowered(lowered, (params, batch), hlo_path=_hlo_file(hlo_dir, "eval"))
 
 
-def compile_decode(cfg: RunConfig, mesh: Mesh) -> dict[str, Any]:
-    """The sampler's two programs (`generate.lower_decoding`) for one prompt and the samples the
-    training loop draws (`train.sample_tokens`), the params in their training shardings: the
-    figures of the one that needs more."""
+# The sampler's programs (`generate.lower_decoding`) by the names their HLO files take.
+DECODE_FILES = {"start": "prefill", "advance": "decode"}
+
+
+def compile_decode(cfg: RunConfig, mesh: Mesh, hlo_dir: Path | None = None) -> dict[str, Any]:
+    """The sampler's two programs (`generate.lower_decoding`: the prefill and the token loop, with
+    `jaxgpt generate`'s sampling defaults) for one prompt and the samples the training loop draws
+    (`train.sample_tokens`), the params in their training shardings: the figures of the one that
+    needs more. `hlo_dir`: where to write their HLO text (`prefill.hlo.txt`, `decode.hlo.txt`)."""
     from jaxgpt.evaluation.generate import lower_decoding
 
     params = abstract_state(cfg, mesh).params
     lowered = lower_decoding(params, cfg.model, max_new_tokens=max(cfg.train.sample_tokens, 1),
                              placed=sharding.replicated(mesh))
-    records = {name: compile_lowered(program, params) for name, program in lowered.items()}
+    records = {name: compile_lowered(program, params, hlo_path=_hlo_file(hlo_dir, DECODE_FILES[name]))
+               for name, program in lowered.items()}
     worst = max(records, key=lambda name: records[name]["total_bytes"] or 0)
     return {"program": worst, **records[worst]}
 

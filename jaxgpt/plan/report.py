@@ -7,6 +7,7 @@ largest batch that does.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import jax
@@ -36,11 +37,13 @@ def peak_bytes(compiled: dict[str, Any], opt_state_bytes: int) -> int | None:
 
 def plan_on(cfg: RunConfig, devices: Sequence[jax.Device], device_bytes: int | None, *, fit: bool | int = False,
             programs: Sequence[str] = PROGRAMS, headroom: float = HEADROOM,
-            progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+            progress: Callable[[str], None] | None = None, hlo_dir: str | None = None) -> dict[str, Any]:
     """Compile `programs` of `cfg` for `devices` as its train mode lays them out, and say whether
     they fit `headroom` of `device_bytes` (None where the memory is unknown). `fit`: first find
     the largest global batch that fits (`largest_batch`; an integer: the largest up to that
-    many rows) and plan that one."""
+    many rows) and plan that one. `hlo_dir`: a folder for the optimised HLO text of each program
+    planned (`train.hlo.txt`, `eval.hlo.txt`, `prefill.hlo.txt`, `decode.hlo.txt`), at the batch
+    planned, not the search's."""
     mode = sharding.resolve_mode(cfg.train, len(devices))
     mesh = mesh_for(cfg, devices)
     record: dict[str, Any] = {"mode": mode, "kernels": choose_kernels(cfg.model).name}
@@ -56,7 +59,8 @@ def plan_on(cfg: RunConfig, devices: Sequence[jax.Device], device_bytes: int | N
         else:
             largest = largest_batch(cfg, mesh, device_bytes, headroom, progress,
                                     most=None if fit is True else int(fit), fixed=state_bytes)
-    record.update(_programs(cfg.replace("train", batch_size=largest) if largest else cfg, mesh, device_bytes, programs, headroom))
+    record.update(_programs(cfg.replace("train", batch_size=largest) if largest else cfg, mesh, device_bytes, programs,
+                            headroom, hlo_dir))
     if fit and largest is not None and record["fits"] is False:
         # Eval or sampling, beside the resident optimiser state, needs more than the train step:
         # search again below, each batch judged by every program.
@@ -65,21 +69,24 @@ def plan_on(cfg: RunConfig, devices: Sequence[jax.Device], device_bytes: int | N
             return None if _refused(planned["compiled"]) else planned["peak_bytes"]
 
         largest = largest_batch(cfg, mesh, device_bytes, headroom, progress, below=largest, measure=every_program)
-        record.update(_programs(cfg.replace("train", batch_size=largest) if largest else cfg, mesh, device_bytes, programs, headroom))
+        record.update(_programs(cfg.replace("train", batch_size=largest) if largest else cfg, mesh, device_bytes,
+                                programs, headroom, hlo_dir))
     if fit:
         record["largest_batch"] = largest
     return record
 
 
-def _programs(cfg: RunConfig, mesh: Any, device_bytes: int | None, programs: Sequence[str], headroom: float
-              ) -> dict[str, Any]:
+def _programs(cfg: RunConfig, mesh: Any, device_bytes: int | None, programs: Sequence[str], headroom: float,
+              hlo_dir: str | None = None) -> dict[str, Any]:
     """The compiled part of a plan at `cfg`'s batch: per-device memory, programs, peak, fits."""
     record = {**planned_memory(cfg, mesh), "batch_size": cfg.train.batch_size}
-    compiled = compile_train(cfg, mesh)
+    if hlo_dir is not None:
+        Path(hlo_dir).mkdir(parents=True, exist_ok=True)
+    compiled = compile_train(cfg, mesh, hlo_dir=hlo_dir)
     if "eval" in programs:
-        compiled["eval"] = compile_eval(cfg, mesh)
+        compiled["eval"] = compile_eval(cfg, mesh, hlo_dir)
     if "decode" in programs:
-        compiled["decode"] = compile_decode(cfg, mesh)
+        compiled["decode"] = compile_decode(cfg, mesh, hlo_dir)
     compiled["device_bytes"] = device_bytes
     record["compiled"] = compiled
     record["peak_bytes"] = peak = peak_bytes(compiled, record["opt_state_bytes_per_device"])

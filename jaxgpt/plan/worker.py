@@ -1,7 +1,7 @@
 """`python -m jaxgpt.plan.worker`: plan one config for one target, in a process that compiles for it.
 
 Reads one JSON request on stdin, {"target": "v5e-1", "plans": [{"config": {...}, "fit": false,
-"programs": [...], "headroom": 0.9}, ...]} (a plan with "members": M is a sweep group's), and writes progress lines ("jaxgpt plan: ...") and
+"programs": [...], "headroom": 0.9, "hlo_dir": null}, ...]} (a plan with "members": M is a sweep group's), and writes progress lines ("jaxgpt plan: ...") and
 then a JSON list on stdout, one line: each plan's record, or {"error": "..."} where the user
 asked for what cannot be planned (a batch the target's chips cannot split, say), or
 {"failure": "..."} where the compiler failed (its traceback on stderr). Many configs share one process, one topology and the
@@ -56,7 +56,7 @@ def plan_target(spec: Target, devices: list[Any], request: dict[str, Any]) -> di
                                          request.get("headroom", HEADROOM))}
     record = plan_on(cfg, devices, spec.device_bytes, fit=request.get("fit", False),
                      programs=request.get("programs", PROGRAMS), headroom=request.get("headroom", HEADROOM),
-                     progress=lambda line: say(f"jaxgpt plan: {spec.name}, {line}"))
+                     progress=lambda line: say(f"jaxgpt plan: {spec.name}, {line}"), hlo_dir=request.get("hlo_dir"))
     return {**about, "devices": spec.chips, "processes": spec.hosts,
             "rows_per_process": record["batch_size"] // spec.hosts, **record}
 
