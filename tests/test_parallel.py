@@ -146,11 +146,10 @@ def test_one_step_matches_one_device_in_every_mode(name):
         # mixes, moments of 1e-6) round by up to 2e-5 of themselves, matrices by under 1e-6. Within
         # 1e-4 of the leaf's largest entry, and never looser than 1e-5 of the tree's largest.
         got, want = moments_as_gradients(state.opt_state), moments_as_gradients(ref_state.opt_state)
-        tree_scale = max(float(np.abs(leaf).max()) for leaf in jax.tree_util.tree_leaves(want)
-                         if np.issubdtype(leaf.dtype, np.floating) and leaf.size)
+        largest = lambda leaf: float(np.abs(leaf).max()) if leaf.size and np.issubdtype(leaf.dtype, np.floating) else 0.0
+        tree_scale = max(map(largest, jax.tree_util.tree_leaves(want)))
         for (path, want_leaf), got_leaf in zip(jax.tree_util.tree_leaves_with_path(want), jax.tree_util.tree_leaves(got)):
-            scale = float(np.abs(want_leaf).max()) if want_leaf.size and np.issubdtype(want_leaf.dtype, np.floating) else 0.0
-            np.testing.assert_allclose(got_leaf, want_leaf, rtol=1e-5, atol=min(1e-5 * tree_scale, 1e-4 * scale),
+            np.testing.assert_allclose(got_leaf, want_leaf, rtol=1e-5, atol=min(1e-5 * tree_scale, 1e-4 * largest(want_leaf)),
                                        err_msg=f"{mode}: {jax.tree_util.keystr(path)}")
     # the step moved the params, every leaf of them, so agreeing is not trivial
     moved = np.abs(ref_state.params["token_embedding"]["embedding"]

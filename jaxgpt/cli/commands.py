@@ -25,8 +25,8 @@ def cmd_dry_run(args: argparse.Namespace) -> int:
     from jaxgpt.kernels.choose import choose_kernels
     from jaxgpt.model.decoder import count_params, forward, init_params
     from jaxgpt.plan.api import plan
-    from jaxgpt.plan.programs import planned_memory
-    from jaxgpt.plan.report import HEADROOM
+    from jaxgpt.plan.programs import hlo_file_names, planned_memory
+    from jaxgpt.plan.report import HEADROOM, PROGRAMS
     from jaxgpt.train import sharding
 
     cfg = load_config(args.config, args.overrides)
@@ -37,7 +37,8 @@ def cmd_dry_run(args: argparse.Namespace) -> int:
     headroom = HEADROOM if args.headroom is None else args.headroom
     if not 0.0 < headroom <= 1.0:
         raise UserError(f"--headroom {args.headroom}: a share of the chip's memory, in (0, 1]")
-    if args.hlo is not None and args.target is None and not (args.compile or args.fit):
+    compiles = args.target is not None or args.compile or args.fit
+    if args.hlo is not None and not compiles:
         raise UserError("--hlo writes the programs a plan compiles: add --target NAME or --compile")
     model = cfg.model
     seq_len = args.seq_len or model.context_length
@@ -46,19 +47,17 @@ def cmd_dry_run(args: argparse.Namespace) -> int:
     logits = jax.eval_shape(lambda p, t: forward(p, model, t), params, tokens)
     record = {"config_sha256": cfg.fingerprint(), "parameters": count_params(params),
               "logits_shape": list(logits.shape)}
-    if args.target is not None:
-        record.update(plan(cfg, args.target, fit=args.fit, headroom=headroom, hlo_dir=args.hlo))
-    elif args.compile or args.fit:
-        record.update(plan(cfg, fit=args.fit, programs=("train",), headroom=headroom, hlo_dir=args.hlo))
+    programs = PROGRAMS if args.target is not None else ("train",)
+    if compiles:
+        record.update(plan(cfg, args.target, fit=args.fit, programs=programs, headroom=headroom, hlo_dir=args.hlo))
     else:
         mode = sharding.resolve_mode(cfg.train, jax.device_count())
         mesh = sharding.make_mesh(cfg.train) if mode == "sharded" else None
         record.update({"kernels": choose_kernels(model).name, "mode": mode, "devices": jax.device_count(),
                        **planned_memory(cfg, mesh)})
     if args.hlo is not None:
-        names = ("train", "eval", "prefill", "decode") if args.target is not None else ("train",)
-        written = [f"{name}.hlo.txt" for name in names]
-        print(f"jaxgpt dry-run: the optimised HLO of each program in {args.hlo}: {', '.join(written)}", file=sys.stderr)
+        written = ", ".join(hlo_file_names(programs))
+        print(f"jaxgpt dry-run: the optimised HLO of each program in {args.hlo}: {written}", file=sys.stderr)
     print(json.dumps(record))
     return 0
 

@@ -16,6 +16,7 @@ the program needs, "available_bytes": what it said the chip has}` instead of rai
 
 from __future__ import annotations
 
+import collections
 import functools
 import re
 import time
@@ -125,13 +126,9 @@ def cudnn_attention_calls(text: str) -> dict[str, int]:
     "__cudnn$fmhaSoftmax/128" for the forward pass of a block whose queries read their last 128
     keys, ".../0" for a whole-context one. Each call site counts once (a scanned block stack's
     body holds one per kind of block)."""
-    counts: dict[str, int] = {}
-    for line in text.splitlines():
-        found = _CUDNN_CALL.search(line)
-        if found:
-            key = f"{found.group(1)}/{int(found.group(2))}"
-            counts[key] = counts.get(key, 0) + 1
-    return dict(sorted(counts.items()))
+    calls = collections.Counter(f"{found.group(1)}/{int(found.group(2))}"
+                                for found in map(_CUDNN_CALL.search, text.splitlines()) if found)
+    return dict(sorted(calls.items()))
 
 
 def planned_memory(cfg: RunConfig, mesh: Mesh | None) -> dict[str, Any]:
@@ -159,6 +156,14 @@ def _shardings(tree: Any) -> Any:
 
 def _hlo_file(hlo_dir: Path | None, name: str) -> Path | None:
     return None if hlo_dir is None else Path(hlo_dir) / f"{name}.hlo.txt"
+
+
+def hlo_file_names(programs: Sequence[str]) -> list[str]:
+    """The HLO files a plan of `programs` ("train", "eval", "decode") writes to its `hlo_dir`."""
+    names: list[str] = []
+    for program in programs:
+        names += list(DECODE_FILES.values()) if program == "decode" else [program]
+    return [f"{name}.hlo.txt" for name in names]
 
 
 def compile_train(cfg: RunConfig, mesh: Mesh, compiler_options: dict[str, Any] | None = None,
