@@ -113,6 +113,20 @@ class ModelConfig:
     # values become l0 * v + l1 * ve (l0, l1 learned, 0.5 at init; l0 * v where no table feeds
     # the block). 0: off.
     value_embeds: int = entry(0, IDENTITY)
+    # Which blocks the value tables feed: "ends" (as above) or "alternating" (one table per block
+    # on every other block counted back from the last, which always has one: value_embeds must be
+    # (n_layers + 1) // 2).
+    value_embeds_layout: str = entry("ends", IDENTITY)
+    # A table's lookup joins the values as v + 3 * sigmoid(x[..., :12] @ W) * ve, one learned gate
+    # per KV head read from the block's input, instead of the mix l0 * v + l1 * ve.
+    value_gate: bool = entry(False, IDENTITY)
+    # Each position adds the previous position's embedding (as the first block would read it)
+    # times lambda * sigmoid(x[..., :24] @ w), both learned, lambda 0 at init; a sequence's or a
+    # document's first position adds nothing.
+    smear: bool = entry(False, IDENTITY)
+    # The residual stream after block n_layers // 2, times a learned lambda (0.2 at init), is
+    # subtracted before the final norm.
+    backout: bool = entry(False, IDENTITY)
     # The attention logits' scale; 0: 1 / sqrt(head_size).
     attention_scale: float = entry(0.0, IDENTITY)
     # Sliding-window attention: in the blocks window_pattern marks S, a query at t attends to keys
@@ -133,6 +147,9 @@ class ModelConfig:
     dropout: float = entry(0.0, IDENTITY, INIT_FROM)
     mtp_depth: int = entry(0, IDENTITY, INIT_FROM)
     init_std: float = entry(0.02, IDENTITY, INIT_FROM)
+    # "normal": every weight N(0, init_std) (zero_init and muP aside); "nanochat": nanochat's own
+    # draw of every weight (jaxgpt/model/nanochat_init.py), init_std unused.
+    init_scheme: str = entry("normal", IDENTITY, INIT_FROM)
     dtype: str = entry("float32", IDENTITY, INIT_FROM)
     scan_layers: bool = entry(True, IDENTITY, INIT_FROM)
     # What a train step's backward pass recomputes instead of keeping from the forward pass:
@@ -175,6 +192,8 @@ class ModelConfig:
         _choice(s, "parametrization", self.parametrization, ("sp", "mup"))
         _choice(s, "kernels", self.kernels, ("auto", "xla"))
         _choice(s, "remat", self.remat, REMAT_POLICIES)
+        _choice(s, "value_embeds_layout", self.value_embeds_layout, ("ends", "alternating"))
+        _choice(s, "init_scheme", self.init_scheme, ("normal", "nanochat"))
         if self.d_model % self.n_heads:
             raise ConfigError(
                 f"model.d_model = {self.d_model} is not divisible by model.n_heads = {self.n_heads}"
@@ -189,7 +208,20 @@ class ModelConfig:
             raise ConfigError(f"model.position = 'sinusoidal' needs an even d_model, got {self.d_model}")
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout = {self.dropout!r} must be in [0, 1)")
-        if 2 * self.value_embeds > self.n_layers:
+        if self.value_embeds_layout == "alternating" and self.value_embeds not in (0, (self.n_layers + 1) // 2):
+            raise ConfigError(
+                f"model.value_embeds = {self.value_embeds} with value_embeds_layout = 'alternating' must be "
+                f"(n_layers + 1) // 2 = {(self.n_layers + 1) // 2}: one table for every other block, the last included")
+        if self.value_gate and not self.value_embeds:
+            raise ConfigError("model.value_gate gates the value tables' lookups: it needs model.value_embeds > 0")
+        for switch, channels in (("value_gate", 12), ("smear", 24)):
+            if getattr(self, switch) and self.d_model < channels:
+                raise ConfigError(f"model.{switch} reads the first {channels} channels: it needs d_model >= "
+                                  f"{channels}, got {self.d_model}")
+        if self.init_scheme == "nanochat" and self.parametrization == "mup":
+            raise ConfigError("model.init_scheme = 'nanochat' draws its own spreads: it does not take "
+                              "model.parametrization = 'mup'")
+        if self.value_embeds_layout == "ends" and 2 * self.value_embeds > self.n_layers:
             raise ConfigError(
                 f"model.value_embeds = {self.value_embeds} feeds the first and the last {self.value_embeds} "
                 f"blocks, more than model.n_layers = {self.n_layers} holds (2 x value_embeds <= n_layers)"

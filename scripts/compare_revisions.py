@@ -1,13 +1,15 @@
 """This tree against an older revision: the compiled programs, or the train step's speed, side by side.
 
     .venv/bin/python scripts/compare_revisions.py main --programs-only
+    .venv/bin/python scripts/compare_revisions.py main --programs-only --configs experiments/*.toml
     .venv/bin/python scripts/compare_revisions.py main --rounds 3 --config experiments/day1.toml
 
 OLD_REV is checked out into a temporary git worktree. `--programs-only` compiles, in each tree (a
 subprocess with PYTHONPATH set to it), the train and eval steps of the Day 1 config (float32,
 bfloat16, each with and without remat) and of 6 layers x 384 (T 256, B 16), and the forward
-pass, a prefill and one decoding step of both, with the backend's kernels, and prints for each
-program whether its optimized HLO is identical (modulo names and metadata). Otherwise it times
+pass, a prefill and one decoding step of both, with the backend's kernels (with `--configs`, the
+same programs of each experiment's config as it stands), and prints for each program whether its
+optimized HLO is identical (modulo names and metadata). Otherwise it times
 the train step of `jaxgpt bench train` (its `train_record`, each dtype x remat, the backend's
 kernels; the portable ones are not timed) in both trees, alternating, for `--rounds` rounds, in
 the environment the `jaxgpt` command runs in (huge-page malloc), and prints each measurement's
@@ -85,8 +87,14 @@ def child_programs(shape: str) -> dict[str, str]:
     else:  # a revision before the kernels seam: the model chooses them itself
         choose_kernels = None
     programs = {}
-    for variant, overrides in VARIANTS.items():
-        cfg = load_config(str(ROOT / "experiments/day1.toml"), SHAPES[shape] + overrides)
+    # A shape of Day 1 in every variant, or an experiment's config (a .toml path) as it stands.
+    experiment = ".toml" in shape
+    variants = {"as-is": []} if experiment else VARIANTS
+    for variant, overrides in variants.items():
+        if experiment:
+            cfg = _experiment(shape)
+        else:
+            cfg = load_config(str(ROOT / "experiments/day1.toml"), SHAPES[shape] + overrides)
         model = cfg.model
         state = init_state(cfg, jax.random.key(0))
         batch = jnp.zeros((cfg.train.batch_size, window_length(model)), jnp.int32)
@@ -109,15 +117,52 @@ def child_programs(shape: str) -> dict[str, str]:
     return {name: _normalise(text) for name, text in programs.items()}
 
 
-def compare_programs(old: Path) -> bool:
+def run_configs(paths: list[str]) -> list[str]:
+    """What each path holds: a run's config (the path itself), or a sweep's variants
+    ("path#variant", each a config of its own, those equal to an earlier one but for the
+    optimiser's numbers a sweep varies left out); a search's spec is neither (named, skipped)."""
+    from jaxgpt.config import ConfigError, UserError, load_config
+    from jaxgpt.tools.sweep import load_sweep, shared_config
+
+    kept, seen = [], set()
+    for path in paths:
+        try:
+            configs = {path: load_config(str(ROOT / path))}
+        except ConfigError:
+            try:
+                configs = {f"{path}#{v.name}": v.config for v in load_sweep(ROOT / path).variants}
+            except UserError as err:
+                print(f"{path:50s} skipped (neither a run's config nor a sweep's: {err})", flush=True)
+                continue
+        for name, cfg in configs.items():
+            key = shared_config(cfg).to_toml()
+            if key not in seen:
+                seen.add(key)
+                kept.append(name)
+    return kept
+
+
+def _experiment(name: str):
+    """The config `run_configs` named: a path's, or a sweep variant's ("path#variant")."""
+    from jaxgpt.config import load_config
+
+    path, _, variant = name.partition("#")
+    if not variant:
+        return load_config(str(ROOT / path))
+    from jaxgpt.tools.sweep import load_sweep
+
+    return next(v.config for v in load_sweep(ROOT / path).variants if v.name == variant)
+
+
+def compare_programs(old: Path, configs: list[str]) -> bool:
     same = True
-    for shape in SHAPES:
+    for shape in [*SHAPES, *run_configs(configs)]:
         new_programs = json.loads(run_in(ROOT, [__file__, "--child", shape]))
         old_programs = json.loads(run_in(old, [__file__, "--child", shape]))
         for name, text in new_programs.items():
             identical = old_programs.get(name) == text
             same &= identical
-            print(f"{name:28s} {'identical' if identical else 'DIFFERENT'}", flush=True)
+            print(f"{name:50s} {'identical' if identical else 'DIFFERENT'}", flush=True)
     return same
 
 
@@ -168,6 +213,9 @@ def main() -> None:
     parser.add_argument("old_rev", nargs="?")
     parser.add_argument("--programs-only", action="store_true")
     parser.add_argument("--config", default="experiments/day1.toml")
+    parser.add_argument("--configs", nargs="*", default=[], metavar="TOML",
+                        help="with --programs-only: these experiments' configs too, as they stand "
+                             "(paths relative to the repository)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=5)
@@ -184,7 +232,7 @@ def main() -> None:
         parser.error("OLD_REV is required")
     with old_tree(args.old_rev) as old:
         if args.programs_only:
-            sys.exit(0 if compare_programs(old) else 1)
+            sys.exit(0 if compare_programs(old, args.configs) else 1)
         compare_speed(old, args.config, args.set, args.rounds, args.repeats)
 
 

@@ -110,64 +110,87 @@ class ModdedGPT(nn.Module):
         return 15 * torch.tanh(logits / 15)
 
 
-class NanochatGPT(nn.Module):
-    def __init__(self, vocab_size: int, sequence_len: int, n_layers: int, n_heads: int, n_kv_heads: int, dim: int,
-                 window_pattern: str = "SSSL"):
+class NanochatAttention(nn.Module):
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, has_value: bool):
         super().__init__()
-        self.n_heads, self.n_kv_heads, self.n_layers = n_heads, n_kv_heads, n_layers
+        self.n_heads, self.n_kv_heads = n_heads, n_kv_heads
         head_size = dim // n_heads
-        self.wte = nn.Embedding(vocab_size, dim)
-        self.c_q = nn.ModuleList(nn.Linear(dim, n_heads * head_size, bias=False) for _ in range(n_layers))
-        self.c_k, self.c_v = (nn.ModuleList(nn.Linear(dim, n_kv_heads * head_size, bias=False)
-                                            for _ in range(n_layers)) for _ in range(2))
-        self.c_proj = nn.ModuleList(nn.Linear(dim, dim, bias=False) for _ in range(n_layers))
-        self.c_fc = nn.ModuleList(nn.Linear(dim, 4 * dim, bias=False) for _ in range(n_layers))
-        self.mlp_proj = nn.ModuleList(nn.Linear(4 * dim, dim, bias=False) for _ in range(n_layers))
+        self.c_q = nn.Linear(dim, n_heads * head_size, bias=False)
+        self.c_k = nn.Linear(dim, n_kv_heads * head_size, bias=False)
+        self.c_v = nn.Linear(dim, n_kv_heads * head_size, bias=False)
+        self.c_proj = nn.Linear(dim, dim, bias=False)
+        self.ve_gate = nn.Linear(12, n_kv_heads, bias=False) if has_value else None
+
+    def forward(self, x, ve, rotary, window: int):
+        B, T, C = x.shape
+        q = self.c_q(x).view(B, T, self.n_heads, -1)
+        k, v = (proj(x).view(B, T, self.n_kv_heads, -1) for proj in (self.c_k, self.c_v))
+        if ve is not None:
+            v = v + 3 * torch.sigmoid(self.ve_gate(x[..., :12])).unsqueeze(-1) * ve.view_as(v)
+        q, k = rotate(q, *rotary), rotate(k, *rotary)
+        q, k = rms_norm(q) * 1.2, rms_norm(k) * 1.2
+        # FA3's window (left, 0) reads the query's own key and `left` before it.
+        return self.c_proj(causal_attention(q, k, v, window=window + 1).reshape(B, T, C))
+
+
+class NanochatBlock(nn.Module):
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, has_value: bool):
+        super().__init__()
+        self.attn = NanochatAttention(dim, n_heads, n_kv_heads, has_value)
+        self.mlp = nn.Module()
+        self.mlp.c_fc = nn.Linear(dim, 4 * dim, bias=False)
+        self.mlp.c_proj = nn.Linear(4 * dim, dim, bias=False)
+
+    def forward(self, x, ve, rotary, window: int):
+        x = x + self.attn(rms_norm(x), ve, rotary, window)
+        return x + self.mlp.c_proj(F.relu(self.mlp.c_fc(rms_norm(x))).square())
+
+
+class NanochatGPT(nn.Module):
+    """Its modules named as nanochat's, so that its state dict is one nanochat saves. The tables
+    hold the vocabulary padded to a multiple of 64 and the logits are cropped to `vocab_size`.
+    `short_window`: the S layers' window (FA3's left size); None, nanochat's rule for
+    `sequence_len`."""
+
+    def __init__(self, vocab_size: int, sequence_len: int, n_layers: int, n_heads: int, n_kv_heads: int, dim: int,
+                 window_pattern: str = "SSSL", short_window: int | None = None):
+        super().__init__()
+        self.vocab_size, self.n_layers = vocab_size, n_layers
+        padded = -(-vocab_size // 64) * 64
+        head_size = dim // n_heads
         self.has_value = [i % 2 == (n_layers - 1) % 2 for i in range(n_layers)]
-        self.value_embeds = nn.ModuleDict({str(i): nn.Embedding(vocab_size, n_kv_heads * head_size)
-                                           for i in range(n_layers) if self.has_value[i]})
-        self.ve_gate = nn.ModuleDict({str(i): nn.Linear(12, n_kv_heads, bias=False)
-                                      for i in range(n_layers) if self.has_value[i]})
-        self.lm_head = nn.Linear(dim, vocab_size, bias=False)
+        self.transformer = nn.ModuleDict({
+            "wte": nn.Embedding(padded, dim),
+            "h": nn.ModuleList(NanochatBlock(dim, n_heads, n_kv_heads, self.has_value[i]) for i in range(n_layers))})
+        self.lm_head = nn.Linear(dim, padded, bias=False)
         self.resid_lambdas = nn.Parameter(torch.ones(n_layers))
         self.x0_lambdas = nn.Parameter(torch.zeros(n_layers))
         self.smear_gate = nn.Linear(24, 1, bias=False)
         self.smear_lambda = nn.Parameter(torch.zeros(1))
         self.backout_lambda = nn.Parameter(0.2 * torch.ones(1))
-        short = -(-sequence_len // 4 // 128) * 128
+        self.value_embeds = nn.ModuleDict({str(i): nn.Embedding(padded, n_kv_heads * head_size)
+                                           for i in range(n_layers) if self.has_value[i]})
+        short = -(-sequence_len // 4 // 128) * 128 if short_window is None else short_window
         self.windows = [sequence_len if window_pattern[i % len(window_pattern)] == "L" else short
                         for i in range(n_layers)]
         self.windows[-1] = sequence_len
 
-    def attention(self, i: int, x, ve, rotary):
-        B, T, C = x.shape
-        q = self.c_q[i](x).view(B, T, self.n_heads, -1)
-        k, v = (proj[i](x).view(B, T, self.n_kv_heads, -1) for proj in (self.c_k, self.c_v))
-        if ve is not None:
-            gate = 3 * torch.sigmoid(self.ve_gate[str(i)](x[..., :12]))
-            v = v + gate.unsqueeze(-1) * ve.view_as(v)
-        q, k = rotate(q, *rotary), rotate(k, *rotary)
-        q, k = rms_norm(q) * 1.2, rms_norm(k) * 1.2
-        # FA3's window (left, 0) reads the query's own key and `left` before it.
-        return self.c_proj[i](causal_attention(q, k, v, window=self.windows[i] + 1).reshape(B, T, C))
-
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         T = tokens.size(1)
-        head_size = self.c_q[0].out_features // self.n_heads
+        head_size = self.transformer.h[0].attn.c_q.out_features // self.transformer.h[0].attn.n_heads
         inv_freq = 1.0 / (100000 ** (torch.arange(0, head_size, 2, dtype=torch.float32) / head_size))
         theta = torch.outer(torch.arange(T, dtype=torch.float32), inv_freq)
         rotary = theta.cos()[None, :, None, :], theta.sin()[None, :, None, :]
-        x = rms_norm(self.wte(tokens))
+        x = rms_norm(self.transformer.wte(tokens))
         gate = self.smear_lambda * torch.sigmoid(self.smear_gate(x[:, 1:, :24]))
         x = torch.cat([x[:, :1], x[:, 1:] + gate * x[:, :-1]], dim=1)
         x0, backout = x, None
-        for i in range(self.n_layers):
+        for i, block in enumerate(self.transformer.h):
             x = self.resid_lambdas[i] * x + self.x0_lambdas[i] * x0
             ve = self.value_embeds[str(i)](tokens) if self.has_value[i] else None
-            x = x + self.attention(i, rms_norm(x), ve, rotary)
-            x = x + self.mlp_proj[i](F.relu(self.c_fc[i](rms_norm(x))).square())
+            x = block(x, ve, rotary, self.windows[i])
             if i == self.n_layers // 2:
                 backout = x
         x = x - self.backout_lambda * backout
-        logits = self.lm_head(rms_norm(x))
+        logits = self.lm_head(rms_norm(x))[..., :self.vocab_size]
         return 15 * torch.tanh(logits / 15)

@@ -87,11 +87,12 @@ def test_every_key_declares_its_roles_once_and_the_rules_read_them():
             type(value), lambda v: {"kernels": "xla", "remat": "dots", "parallel": "pmap", "optimizer": "muon",
                                     "position": "rope", "norm": "rmsnorm", "residual": "post",
                                     "feed_forward": "swiglu", "dtype": "bfloat16", "window_pattern": "SL",
-                                    "align": "document", "parametrization": "mup", "trackers": ["wandb"]}.get(name, "other"))(value)
+                                    "align": "document", "parametrization": "mup", "trackers": ["wandb"],
+                                    "value_embeds_layout": "alternating", "init_scheme": "nanochat"}.get(name, "other"))(value)
         if value is None:  # a key that follows another (the group peaks follow train.lr)
             other = 1e-3
         if name in ("kv_heads", "hidden_size", "eval_tasks_every", "ffn_match_params", "eval_tasks", "lr_head",
-                    "rope_truncated", "window_warmup_steps"):
+                    "rope_truncated", "window_warmup_steps", "value_gate"):
             continue  # derived or validated against others: covered by their neighbours
         changed = load_config(None, [f"{dotted}={json.dumps(other)}"])
         assert (changed.fingerprint() != base.fingerprint()) == (IDENTITY in roles_of(dotted)), dotted
@@ -137,6 +138,15 @@ def test_ffn_match_params_refuses_another_explicit_hidden_size():
      "model.position = 'rope' needs an even head size, got 9"),
     (["model.dropout=1.0"], "model.dropout = 1.0 must be in [0, 1)"),
     (["model.dropout=-0.1"], "model.dropout = -0.1 must be in [0, 1)"),
+    (["model.n_layers=5", "model.value_embeds=2", "model.value_embeds_layout=alternating"],
+     "model.value_embeds = 2 with value_embeds_layout = 'alternating' must be (n_layers + 1) // 2 = 3"),
+    (["model.value_embeds_layout=every"], "model.value_embeds_layout = 'every' is not one of ends, alternating"),
+    (["model.value_gate=true"], "model.value_gate gates the value tables' lookups: it needs model.value_embeds > 0"),
+    (["model.smear=true", "model.d_model=16"], "model.smear reads the first 24 channels: it needs d_model >= 24, got 16"),
+    (["model.value_gate=true", "model.value_embeds=1", "model.d_model=8"],
+     "model.value_gate reads the first 12 channels: it needs d_model >= 12, got 8"),
+    (["model.init_scheme=nanochat", "model.parametrization=mup"], "model.init_scheme = 'nanochat' draws its own"),
+    (["model.init_scheme=xavier"], "model.init_scheme = 'xavier' is not one of normal, nanochat"),
     (["model.n_head=2"], "unknown config key model.n_head (did you mean 'n_heads'?)"),
     (["modle.n_heads=2"], "unknown config section 'modle' (did you mean 'model'?)"),
     (["model.d_model=big"], "model.d_model = 'big' must be an integer"),

@@ -178,10 +178,13 @@ def test_unsupported_options_are_named(tmp_path, family, change, option):
     ({"feed_forward": "swiglu"}, "feed_forward"),
     ({"position": "rope", "norm": "layernorm"}, "norm"),
     ({"position": "sinusoidal", "norm": "rmsnorm", "feed_forward": "swiglu"}, "position = 'sinusoidal'"),
+    ({"smear": True}, "smear = True"),
+    ({"backout": True}, "backout = True"),
 ])
 def test_unexportable_configs(tmp_path, options, option):
     """What neither GPT-2 nor Llama holds is refused, in one line, before the params are looked at."""
-    cfg = ModelConfig(vocab_size=VOCAB, context_length=16, d_model=16, n_layers=1, n_heads=2, **options)
+    cfg = ModelConfig(**{"vocab_size": VOCAB, "context_length": 16, "d_model": 16, "n_layers": 1, "n_heads": 2,
+                         **({"d_model": 24} if options.get("smear") else {}), **options})
     with pytest.raises(ValueError, match=option) as refused:
         export_hf(cfg, {}, tmp_path / "out")
     assert "\n" not in str(refused.value)

@@ -7,12 +7,13 @@ Both references rotate by -theta where jaxgpt rotates by +theta; the scores depe
 angle between a query and a key, so the import negates the second half of every query and key
 head, which turns one rotation into the other and which no RMS-norm sees.
 
-nanochat options covered: QK-norm (after the rotary: a rotation keeps the RMS, so the order does
-not matter), the 1.2 query and key gains (model.attention_scale = 1.44 / sqrt(head_size)), ReLU²,
-the parameter-free norms (jaxgpt's RMSNorm gains held at 1), the embedding norm, resid and x0
-lambdas (model.x0_mix), grouped KV heads, RoPE base 100,000, the untied head, softcap 15, windows
-wider than the input. Not covered: its smear, its backout and its gated value embeddings, which
-these weights switch off (smear_lambda 0, backout_lambda 0, value tables 0).
+nanochat's GPT is matched whole, through the import's own conversion of its state dict
+(jaxgpt.nanochat): QK-norm (after the rotary: a rotation keeps the RMS, so the order does not
+matter), the 1.2 query and key gains (model.attention_scale = 1.44 / sqrt(head_size)), ReLU², the
+parameter-free norms (jaxgpt's RMSNorm gains held at 1), the embedding norm, resid and x0 lambdas
+(model.x0_mix), its smear, its backout, its gated value tables on alternating layers, grouped KV
+heads, RoPE base 100,000, the untied head, softcap 15, windows shorter than the input and a
+vocabulary padded to a multiple of 64.
 """
 
 import dataclasses
@@ -24,7 +25,9 @@ import torch
 from speedrun_references import ModdedGPT, NanochatGPT
 
 from jaxgpt.config import ModelConfig
+from jaxgpt.errors import UserError
 from jaxgpt.model.decoder import document_segments, forward, stack_blocks
+from jaxgpt.nanochat import model_config, params_from_state, state_from_params
 
 EPS = float(torch.finfo(torch.float32).eps)  # F.rms_norm's epsilon when none is given
 V, T, C, HEADS = 128, 32, 64, 4
@@ -32,10 +35,6 @@ MODDED = ModelConfig(
     vocab_size=V, context_length=T, d_model=C, n_layers=6, n_heads=HEADS, position="rope", rope_truncated=True,
     rope_base=1024.0, norm="rmsnorm", norm_eps=EPS, qk_norm=True, embed_norm=True, feed_forward="relu2",
     tie_embeddings=False, logit_softcap=15.0, x0_mix=True, unet_skips=True, value_embeds=2, scan_layers=False)
-NANOCHAT = ModelConfig(
-    vocab_size=V, context_length=T, d_model=C, n_layers=4, n_heads=HEADS, kv_heads=2, position="rope",
-    rope_base=100000.0, norm="rmsnorm", norm_eps=EPS, qk_norm=True, attention_scale=1.44 / (C // HEADS) ** 0.5,
-    embed_norm=True, feed_forward="relu2", tie_embeddings=False, logit_softcap=15.0, x0_mix=True, scan_layers=False)
 
 
 def randomised(model: torch.nn.Module, seed: int) -> torch.nn.Module:
@@ -82,16 +81,6 @@ def modded_params(ref: ModdedGPT, cfg: ModelConfig) -> dict:
     return params
 
 
-def nanochat_params(ref: NanochatGPT, cfg: ModelConfig) -> dict:
-    params = {f"block_{i}": block_params(
-        cfg, t(ref.c_q[i].weight), t(ref.c_k[i].weight), t(ref.c_v[i].weight), t(ref.c_proj[i].weight),
-        t(ref.c_fc[i].weight), t(ref.mlp_proj[i].weight),
-        np.array([t(ref.resid_lambdas)[i], t(ref.x0_lambdas)[i]], np.float32)) for i in range(cfg.n_layers)}
-    params.update(token_embedding={"embedding": t(ref.wte.weight)}, lm_head={"kernel": t(ref.lm_head.weight).T},
-                  final_norm={"scale": np.ones(cfg.d_model, np.float32)})
-    return params
-
-
 def check_equal(cfg: ModelConfig, params: dict, ref: torch.nn.Module, seed: int) -> None:
     tokens = np.random.default_rng(seed).integers(0, cfg.vocab_size, (3, cfg.context_length))
     with torch.no_grad():
@@ -125,14 +114,71 @@ def test_equals_modded_nanogpt_on_packed_documents():
     assert np.abs(plain - want).max() > 1e-2  # the documents matter
 
 
-def test_equals_nanochat_where_its_block_uses_jaxgpt_switches():
-    ref = randomised(NanochatGPT(V, T, NANOCHAT.n_layers, HEADS, NANOCHAT.kv_heads, C), seed=2)
-    with torch.no_grad():  # what jaxgpt does not express, switched off
-        ref.smear_lambda.zero_()
-        ref.backout_lambda.zero_()
-        for table in ref.value_embeds.values():
-            table.weight.zero_()
-    check_equal(NANOCHAT, nanochat_params(ref, NANOCHAT), ref, seed=3)
+def nanochat(seed: int) -> tuple[NanochatGPT, ModelConfig]:
+    """nanochat's GPT of a vocabulary it pads (100 to 128), 5 layers (so 3 value tables), grouped
+    KV heads and S windows of 7 (8 keys) on 32-token inputs, every weight random: the smear,
+    backout, gates and tables all live."""
+    gpt = {"sequence_len": T, "vocab_size": 100, "n_layer": 5, "n_head": HEADS, "n_kv_head": 2, "n_embd": C,
+           "window_pattern": "SSL"}
+    ref = NanochatGPT(gpt["vocab_size"], T, gpt["n_layer"], HEADS, gpt["n_kv_head"], C, "SSL", short_window=7)
+    return randomised(ref, seed), model_config(gpt, short=7, scan_layers=False)
+
+
+def test_equals_nanochat_with_every_feature_live():
+    ref, cfg = nanochat(seed=2)
+    assert [w for w in cfg.block_windows()] == [8, 8, 0, 8, 0] and ref.windows == [7, 7, T, 7, T]
+    state = {key: t(value) for key, value in ref.state_dict().items()}
+    assert state["transformer.wte.weight"].shape[0] == 128 and cfg.vocab_size == 100
+    check_equal(cfg, params_from_state(state, cfg), ref, seed=3)
+
+
+@pytest.mark.parametrize("feature", ["smear_lambda", "backout_lambda", "value_embeds", "ve_gate", "windows"])
+def test_each_nanochat_feature_matters_to_the_match(feature):
+    ref, cfg = nanochat(seed=2)
+    state = {key: t(value) for key, value in ref.state_dict().items()}
+    if feature == "windows":
+        cfg = dataclasses.replace(cfg, attention_window=0)
+    for key in state:
+        if key.startswith(feature) or key.endswith(f"{feature}.weight"):
+            state[key] = np.zeros_like(state[key])
+    tokens = np.random.default_rng(3).integers(0, cfg.vocab_size, (3, T))
+    with torch.no_grad():
+        want = ref(torch.from_numpy(tokens)).numpy()
+    assert np.abs(np.asarray(forward(params_from_state(state, cfg), cfg, tokens)) - want).max() > 1e-2
+
+
+def test_nanochat_state_dicts_go_there_and_back():
+    ref, cfg = nanochat(seed=4)
+    state = {key: t(value) for key, value in ref.state_dict().items()}
+    for scan in (False, True):
+        model = dataclasses.replace(cfg, scan_layers=scan)
+        back = state_from_params(params_from_state(state, model), model)
+        assert set(back) == set(state)
+        for key, value in state.items():
+            if "wte" in key or "lm_head" in key or "value_embeds" in key:  # the padding rows: zeros, never read
+                np.testing.assert_array_equal(back[key][: cfg.vocab_size], value[: cfg.vocab_size], err_msg=key)
+                assert not back[key][cfg.vocab_size:].any()
+            else:
+                np.testing.assert_array_equal(back[key], value, err_msg=key)
+
+
+def test_nanochat_windows_follow_its_rule():
+    """S is a quarter of the context rounded up to 128 (FA3's left size; jaxgpt counts the query's
+    own key too), the last layer always L; a window as long as the context is none."""
+    gpt = {"vocab_size": 100, "n_head": 4, "n_kv_head": 4, "n_embd": 64, "window_pattern": "SSSL"}
+    cfg = model_config({**gpt, "sequence_len": 2048, "n_layer": 6})
+    assert cfg.block_windows() == (513, 513, 513, 0, 513, 0)
+    assert model_config({**gpt, "sequence_len": 1000, "n_layer": 3}).block_windows() == (257, 257, 0)
+    assert model_config({**gpt, "sequence_len": 256, "n_layer": 4}).block_windows() == (129, 129, 129, 0)
+    assert model_config({**gpt, "sequence_len": 128, "n_layer": 4}).attention_window == 0
+
+
+def test_a_state_dict_of_another_model_is_one_line():
+    ref, cfg = nanochat(seed=2)
+    state = {key: t(value) for key, value in ref.state_dict().items()}
+    state["transformer.h.9.attn.c_q.weight"] = state.pop("transformer.h.0.attn.c_q.weight")
+    with pytest.raises(UserError, match="unexpected transformer.h.9.attn.c_q.weight; missing transformer.h.0.attn.c_q"):
+        params_from_state(state, cfg)
 
 
 @pytest.mark.parametrize("switch", ["unet_skips", "x0_mix", "value_embeds"])

@@ -142,6 +142,8 @@ def _cache_for(cfg: ModelConfig, batch: int, draft: int, document_token: int | N
     if draft:
         pad = ((0, 0), (0, 0), (0, draft), (0, 0), (0, 0))
         cache = {**cache, "k": jnp.pad(cache["k"], pad), "v": jnp.pad(cache["v"], pad)}
+        if "tokens" in cache:
+            cache["tokens"] = jnp.pad(cache["tokens"], ((0, 0), (0, draft)))
     return cache
 
 

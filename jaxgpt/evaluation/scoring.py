@@ -100,7 +100,8 @@ def _score_shared(params: Params, prefix_PW: jax.Array, prefix_length_P: jax.Arr
     # As long as the prefix and the rows' own tokens: the cache is written, though never read, past the prefix.
     empty = init_cache(cfg, P, max(W, X))
     _, cache = forward_cached(params, cfg, prefix_PW, empty, fresh=True, kernels=kernels)
-    cache = {"k": cache["k"][:, owner_B], "v": cache["v"][:, owner_B], "index": prefix_length_P[owner_B]}
+    cache = {"k": cache["k"][:, owner_B], "v": cache["v"][:, owner_B], "index": prefix_length_P[owner_B],
+             **({"tokens": cache["tokens"][owner_B]} if "tokens" in cache else {})}
     logits_BXV, _ = forward_cached(params, cfg, tokens_BX, cache, kernels=kernels)
     return _sums(logits_BXV, targets_BX, scored_BX, vocab_limit)
 

@@ -41,6 +41,10 @@ def _check_exportable(cfg: ModelConfig) -> str:
         refuse("unet_skips", "(Hugging Face GPT-2 and Llama have no skips between blocks)")
     if cfg.value_embeds:
         refuse("value_embeds", "(Hugging Face GPT-2 and Llama have no value embeddings)")
+    if cfg.smear:
+        refuse("smear", "(Hugging Face GPT-2 and Llama do not mix the previous token's embedding in)")
+    if cfg.backout:
+        refuse("backout", "(Hugging Face GPT-2 and Llama do not subtract a middle block's stream)")
     if cfg.attention_scale:
         refuse("attention_scale", "(Hugging Face GPT-2 and Llama scale attention by 1 / sqrt(head size))")
     if cfg.rope_truncated:

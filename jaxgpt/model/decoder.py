@@ -47,7 +47,8 @@ from jaxgpt.model.layers import (
     write_kv,
     write_ring,
 )
-from jaxgpt.model.shortcuts import Shared, empty_skips, layer_step, layer_table, window_plan
+from jaxgpt.model.nanochat_init import nanochat_init
+from jaxgpt.model.shortcuts import Shared, first_carry, layer_step, layer_table, window_plan
 from jaxgpt.model.token_ids import check_token_ids
 
 Params = dict[str, Any]
@@ -85,6 +86,31 @@ class UntiedHead(nn.Module):
         return self.kernels.untied_logits(h_BTC, kernel_CV, compute_dtype(cfg))
 
 
+class Embedding:
+    """What the first block reads of tokens at positions, before dropout: the token's embedding,
+    plus the learned or sinusoidal position's, RMS-normalised under model.embed_norm. Called for
+    the new tokens and, under model.smear, for the token a cached pass follows."""
+
+    def __init__(self, cfg: ModelConfig, token_embedding: nn.Embed):
+        self.cfg, self.token_embedding = cfg, token_embedding
+        self.positions = None
+        if cfg.position == "learned":
+            self.positions = nn.Embed(cfg.context_length, cfg.d_model, embedding_init=dense_init(cfg),
+                                      name="position_embedding")
+
+    def __call__(self, token_ids_BT: jax.Array, positions_BT: jax.Array) -> jax.Array:
+        cfg = self.cfg
+        x_BTC = self.token_embedding(token_ids_BT)
+        if cfg.position == "learned":
+            # Only speculative decoding's draft slots, whose outputs are discarded, reach past the
+            # table (a traced cache index that forward_cached cannot check). jnp.take would fill
+            # them with NaN, and masked attention would still leak 0 * NaN into every query.
+            x_BTC = x_BTC + self.positions(jnp.minimum(positions_BT, cfg.context_length - 1))
+        elif cfg.position == "sinusoidal":
+            x_BTC = x_BTC + sinusoidal_positions(positions_BT, cfg.d_model)
+        return rms_normalize(x_BTC) if cfg.embed_norm else x_BTC
+
+
 class Decoder(nn.Module):
     cfg: ModelConfig
     kernels: Kernels = PORTABLE
@@ -115,21 +141,13 @@ class Decoder(nn.Module):
                 positions_BT = positions_BT - floors_BT
 
         token_embedding = nn.Embed(V, C, embedding_init=dense_init(cfg), name="token_embedding")
-        x_BTC = token_embedding(token_ids_BT)
+        embed = Embedding(cfg, token_embedding)
+        x_BTC = embed(token_ids_BT, positions_BT)
         rope = None
-        if cfg.position == "learned":
-            # Only speculative decoding's draft slots, whose outputs are discarded, reach past the
-            # table (a traced cache index that forward_cached cannot check). jnp.take would fill
-            # them with NaN, and masked attention would still leak 0 * NaN into every query.
-            positions_BT = jnp.minimum(positions_BT, cfg.context_length - 1)
-            x_BTC = x_BTC + nn.Embed(cfg.context_length, C, embedding_init=dense_init(cfg),
-                                     name="position_embedding")(positions_BT)
-        elif cfg.position == "sinusoidal":
-            x_BTC = x_BTC + sinusoidal_positions(positions_BT, C)
-        else:
+        if cfg.position == "rope":
             rope = rope_tables(positions_BT, cfg.head_size, cfg.rope_scale, cfg.rope_base, cfg.rope_truncated)
-        if cfg.embed_norm:
-            x_BTC = rms_normalize(x_BTC)
+        if cfg.smear:
+            x_BTC = self._smeared(embed, x_BTC, token_ids_BT, positions_BT, cache)
         x_BTC = nn.Dropout(cfg.dropout)(x_BTC, deterministic=self.deterministic).astype(dtype)
         chex.assert_shape(x_BTC, (B, T, C))
 
@@ -152,7 +170,11 @@ class Decoder(nn.Module):
             table["cache_row"] = jnp.asarray(cache_rows(cfg))
         place = None if cache is None else CachePlace(cache["index"], None if fresh else floors_BT,
                                                       cache.get("slot_positions") if ring is None else ring["slot_positions"])
-        x_BTC, kv = self._blocks(x_BTC, rope, kv, place, shared, table)
+        carry, kv = self._blocks(x_BTC, rope, kv, place, shared, table)
+        x_BTC = carry["x"]
+        if cfg.backout:
+            backout = self.param("backout_lambda", nn.initializers.constant(0.2), (1,), jnp.float32)
+            x_BTC = (x_BTC - backout[0] * carry["backout"]).astype(x_BTC.dtype)
 
         hidden_BTC = make_norm(cfg, kernels, "final_norm")(x_BTC)
         m = cfg.width_multiplier()  # muP's output multiplier 1 / m, on what the head reads (before any softcap)
@@ -179,6 +201,8 @@ class Decoder(nn.Module):
         if cache is not None and "slot_positions" in cache:  # a ring: the last R positions stay
             (k, v), slots = write_ring((cache["k"], cache["v"]), kv, cache["index"], cache["slot_positions"])
             new_cache = {"k": k, "v": v, "index": cache["index"] + T, "slot_positions": slots}
+            if "tokens" in cache:
+                new_cache["tokens"] = write_tokens(cache["tokens"], token_ids_BT, cache["index"], ring=True)
         elif cache is not None:  # one in-place write for all layers, after they have read the cache
             if ring is not None:  # each kind its own layers' keys
                 long, windowed = block_kinds(cfg)
@@ -191,13 +215,32 @@ class Decoder(nn.Module):
                 new_cache["ring"] = {"k": ring_k, "v": ring_v, "slot_positions": slots}
             if floors_BT is not None:
                 new_cache["floor"] = floors_BT[:, -1]
+            if "tokens" in cache:
+                new_cache["tokens"] = write_tokens(cache["tokens"], token_ids_BT, cache["index"], ring=False)
         return logits_BTV, new_cache
+
+    def _smeared(self, embed, x_BTC, token_ids_BT, positions_BT, cache):
+        """model.smear: each position plus the previous one's embedding times lambda * sigmoid of
+        a gate read from its own first 24 channels; a pass against a cache reads the token before
+        its first from the cache. Where a position is 0 (a sequence's or a document's first) the
+        previous embedding is not added."""
+        gate = nn.Dense(1, use_bias=False, kernel_init=dense_init(self.cfg), name="smear_gate")
+        smear = self.param("smear_lambda", nn.initializers.zeros, (1,), jnp.float32)
+        if cache is None:
+            before_B1C = jnp.zeros_like(x_BTC[:, :1])
+        else:
+            last_B = cache["index"] - 1
+            before_B1C = embed(previous_tokens(cache, last_B)[:, None], jnp.maximum(last_B, 0)[:, None])
+        previous_BTC = jnp.concatenate([before_B1C, x_BTC[:, :-1]], axis=1)
+        weight_BT1 = smear[0] * jax.nn.sigmoid(gate(x_BTC[..., :24]))
+        weight_BT1 = jnp.where(positions_BT[..., None] > 0, weight_BT1, 0.0)
+        return x_BTC + weight_BT1 * previous_BTC
 
     def _blocks(self, x_BTC, rope, kv, place, shared, table):
         cfg = self.cfg
         block_cls = _block_class(cfg, self.kernels)
         step = layer_step(cfg, self.kernels)
-        carry = (x_BTC, empty_skips(cfg, x_BTC)) if cfg.unet_skips else x_BTC
+        carry = first_carry(cfg, x_BTC)
         if cfg.scan_layers:
             # A long-short model's caches are unequal stacks: every layer reads its own row of its kind's.
             kv_axis = nn.broadcast if isinstance(kv, LayerCaches) else 0
@@ -217,7 +260,28 @@ class Decoder(nn.Module):
                     new_k.append(layer_kv[0])
                     new_v.append(layer_kv[1])
             kv = (jnp.stack(new_k), jnp.stack(new_v)) if new_k else None
-        return (carry[0] if cfg.unet_skips else carry), kv
+        return carry, kv
+
+
+def write_tokens(tokens_BS: jax.Array, new_BT: jax.Array, index_B: jax.Array, ring: bool) -> jax.Array:
+    """Each row's T new token IDs written from its index on (model.smear's record of what each
+    cached position holds); in a `ring` of S slots, position p in slot p mod S, the last S of them."""
+    S, T = tokens_BS.shape[1], new_BT.shape[1]
+    if not ring:
+        return jax.vmap(lambda row, new, at: jax.lax.dynamic_update_slice(row, new, (at,)))(
+            tokens_BS, new_BT.astype(tokens_BS.dtype), index_B)
+    kept = min(T, S)
+    slots_BK = (index_B[:, None] + (T - kept) + jnp.arange(kept)) % S
+    return jax.vmap(lambda row, slots, new: row.at[slots].set(new))(tokens_BS, slots_BK,
+                                                                   new_BT[:, T - kept:].astype(tokens_BS.dtype))
+
+
+def previous_tokens(cache: Cache, last_B: jax.Array) -> jax.Array:
+    """[B] the token each row's cache holds at position `last_B` (any token where it is below 0)."""
+    tokens_BS = cache["tokens"]
+    S = tokens_BS.shape[1]
+    slot_B = last_B % S if "slot_positions" in cache else jnp.clip(last_B, 0, S - 1)
+    return jnp.take_along_axis(tokens_BS, slot_B[:, None], axis=1)[:, 0]
 
 
 def document_segments(token_ids_BT: jax.Array, document_token: int) -> jax.Array:
@@ -265,9 +329,13 @@ def _is_concrete(x: Any) -> bool:
 
 
 def init_params(cfg: ModelConfig, rng: jax.Array) -> Params:
-    """Fresh parameters, a pure function of (cfg, rng): float32, N(0, init_std) weights, zero biases."""
+    """Fresh parameters, a pure function of (cfg, rng): float32, N(0, init_std) weights, zero
+    biases; under model.init_scheme = "nanochat", nanochat's draws (`nanochat_init`)."""
     tokens = jnp.zeros((1, min(cfg.context_length, 8)), jnp.int32)
-    return Decoder(cfg).init({"params": rng}, tokens)["params"]
+    params = Decoder(cfg).init({"params": rng}, tokens)["params"]
+    if cfg.init_scheme == "nanochat":
+        params = nanochat_init(params, cfg, jax.random.fold_in(rng, 1))
+    return params
 
 
 def forward(
@@ -360,6 +428,8 @@ def init_cache(cfg: ModelConfig, batch_size: int, max_length: int, *, documents:
     cache = {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype), "index": jnp.zeros((batch_size,), jnp.int32)}
     if documents:
         cache["floor"] = jnp.zeros((batch_size,), jnp.int32)
+    if cfg.smear:  # the token each position holds, for the pass that follows it
+        cache["tokens"] = jnp.zeros((batch_size, max_length), jnp.int32)
     if ring:
         cache["slot_positions"] = jnp.full((batch_size, max_length), -1, jnp.int32)
     if window_slots:
@@ -403,8 +473,11 @@ def layered_from(cache: Cache, cfg: ModelConfig, lengths_B: jax.Array, length: i
     long, windowed = block_kinds(cfg)
     pad = ((0, 0), (0, 0), (0, length - cache["k"].shape[2]), (0, 0), (0, 0))
     ring = ring_from({"k": cache["k"][windowed], "v": cache["v"][windowed]}, lengths_B, slots)
-    return {**cache, "k": jnp.pad(cache["k"][long], pad), "v": jnp.pad(cache["v"][long], pad), "index": lengths_B,
-            "ring": {"k": ring["k"], "v": ring["v"], "slot_positions": ring["slot_positions"]}}
+    layered = {**cache, "k": jnp.pad(cache["k"][long], pad), "v": jnp.pad(cache["v"][long], pad), "index": lengths_B,
+               "ring": {"k": ring["k"], "v": ring["v"], "slot_positions": ring["slot_positions"]}}
+    if "tokens" in cache:
+        layered["tokens"] = jnp.pad(cache["tokens"], ((0, 0), (0, length - cache["tokens"].shape[1])))
+    return layered
 
 
 def ring_cache_length(cfg: ModelConfig, draft: int = 0) -> int:
@@ -425,6 +498,8 @@ def ring_from(cache: Cache, lengths_B: jax.Array, slots: int) -> Cache:
     gather = jax.vmap(lambda buffer_LSKD, at_R: buffer_LSKD[:, at_R], in_axes=(1, 0), out_axes=1)
     ring = {**cache, "k": gather(cache["k"], source_BR), "v": gather(cache["v"], source_BR), "index": lengths_B,
             "slot_positions": jnp.where(held_BR >= 0, held_BR, -1).astype(jnp.int32)}
+    if "tokens" in cache:
+        ring["tokens"] = jnp.take_along_axis(cache["tokens"], source_BR, axis=1)
     return ring
 
 

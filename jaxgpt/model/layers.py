@@ -219,10 +219,16 @@ class CausalSelfAttention(nn.Module):
         k_BTKD = qkv[..., H * D : (H + K) * D].reshape(B, T, K, D)
         v_BTKD = qkv[..., (H + K) * D :].reshape(B, T, K, D)
         if cfg.value_embeds:
-            mix = self.param("value_mix", nn.initializers.constant(0.5), (2,), jnp.float32)
             lookups_NBTX, table, table_on = values
             ve_BTKD = jax.lax.dynamic_index_in_dim(lookups_NBTX, table, keepdims=False).reshape(B, T, K, D)
-            v_BTKD = mixed(self.kernels, cfg, v_BTKD, ve_BTKD, mix[0], mix[1] * table_on)
+            if cfg.value_gate:  # one gate in (0, 3) per KV head, read from the block's input
+                gate = nn.Dense(K, use_bias=False, dtype=activation_dtype(cfg, self.kernels),
+                                kernel_init=dense_init(cfg), name="value_gate")
+                gate_BTK1 = (3 * table_on * jax.nn.sigmoid(gate(x_BTC[..., :12]).astype(jnp.float32)))[..., None]
+                v_BTKD = (v_BTKD + gate_BTK1 * ve_BTKD).astype(v_BTKD.dtype)
+            else:
+                mix = self.param("value_mix", nn.initializers.constant(0.5), (2,), jnp.float32)
+                v_BTKD = mixed(self.kernels, cfg, v_BTKD, ve_BTKD, mix[0], mix[1] * table_on)
         # QK-norm is not linear: recomputed, its backward keeps the 16-bit q and k, not its
         # float32 copies (GPT-2 124M at batch 32 on h100-1: 16.6 GB of temporaries, else 11.7).
         prepare = recomputed_as_kernels_ask(cfg, self.kernels, functools.partial(prepare_qk, cfg), when=cfg.qk_norm)

@@ -1,6 +1,6 @@
-"""Paths around the blocks: U-net skips (model.unet_skips) and value embeddings
-(model.value_embeds), and each block's attention window (model.window_pattern), laid out per
-layer so that a stack of unequal layers stays one scan.
+"""Paths around the blocks: U-net skips (model.unet_skips), value embeddings
+(model.value_embeds), the backout's mid-stack stream (model.backout) and each block's attention
+window (model.window_pattern), laid out per layer so that a stack of unequal layers stays one scan.
 
 Each layer reads its share of a small per-layer table (`layer_table`, scanned beside the blocks'
 parameters): which skip it takes and with what weight, where it leaves its output for a later
@@ -43,11 +43,16 @@ def skip_plan(n_layers: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return takes, reads, writes
 
 
-def value_table_plan(n_layers: int, n_tables: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per layer: the value table that feeds it (tables 0..N-1 for the first N layers, 0..N-1
-    again for the last N), and 1.0 where one does, 0.0 where none does."""
+def value_table_plan(n_layers: int, n_tables: int, layout: str = "ends") -> tuple[np.ndarray, np.ndarray]:
+    """Per layer: the value table that feeds it, and 1.0 where one does, 0.0 where none does.
+    "ends": tables 0..N-1 for the first N layers, 0..N-1 again for the last N; "alternating":
+    tables 0, 1, ... in order on the layers of the last one's parity (every other layer, the last
+    always)."""
     tables, feeds = np.zeros(n_layers, np.int32), np.zeros(n_layers, np.float32)
-    if n_tables:
+    if n_tables and layout == "alternating":
+        fed = np.arange(n_layers) % 2 == (n_layers - 1) % 2
+        tables[fed], feeds[fed] = np.arange(fed.sum()), 1.0
+    elif n_tables:
         tables[:n_tables] = tables[-n_tables:] = np.arange(n_tables)
         feeds[:n_tables] = feeds[-n_tables:] = 1.0
     return tables, feeds
@@ -63,8 +68,10 @@ def layer_table(cfg: ModelConfig, skip_weights: jax.Array | None) -> dict[str, j
         weights = jnp.zeros(cfg.n_layers, jnp.float32).at[np.flatnonzero(takes)].set(skip_weights)
         table.update(skip_weight=weights, skip_from=jnp.asarray(reads), skip_to=jnp.asarray(writes))
     if cfg.value_embeds:
-        tables, feeds = value_table_plan(cfg.n_layers, cfg.value_embeds)
+        tables, feeds = value_table_plan(cfg.n_layers, cfg.value_embeds, cfg.value_embeds_layout)
         table.update(value_table=jnp.asarray(tables), value_on=jnp.asarray(feeds))
+    if cfg.backout:
+        table.update(backout_from=jnp.asarray(np.arange(cfg.n_layers) == cfg.n_layers // 2))
     if cfg.attention_window:
         table.update(window=jnp.asarray(window_plan(cfg)))
     return table
@@ -75,31 +82,39 @@ def window_plan(cfg: ModelConfig) -> np.ndarray:
     return np.array(cfg.block_windows(), np.int32)
 
 
-def empty_skips(cfg: ModelConfig, x_BTC: jax.Array) -> jax.Array:
-    return jnp.zeros((cfg.n_layers // 2 + 1, *x_BTC.shape), x_BTC.dtype)
+def first_carry(cfg: ModelConfig, x_BTC: jax.Array) -> dict[str, jax.Array]:
+    """What the stack carries from layer to layer: the residual stream "x"; under model.unet_skips
+    the skip buffer "skips" [n_layers // 2 + 1, B, T, C]; under model.backout the stream after
+    block n_layers // 2, "backout" (zeros until then)."""
+    carry = {"x": x_BTC}
+    if cfg.unet_skips:
+        carry["skips"] = jnp.zeros((cfg.n_layers // 2 + 1, *x_BTC.shape), x_BTC.dtype)
+    if cfg.backout:
+        carry["backout"] = jnp.zeros_like(x_BTC)
+    return carry
 
 
 def layer_step(cfg: ModelConfig, kernels: Kernels) -> Callable[..., Any]:
     """One layer of the stack as a function of (block, carry, rope, kv, place, shared, row): the
-    carry is the residual stream, or (stream, skip buffer) under model.unet_skips; `row` is this
-    layer's `layer_table` entries. A scan's body and the unscanned loop alike."""
+    carry is `first_carry`'s; `row` is this layer's `layer_table` entries. A scan's body and the
+    unscanned loop alike."""
 
     def step(block, carry, rope, kv, place, shared: Shared, row: dict[str, jax.Array]):
+        x_BTC, carry = carry["x"], dict(carry)
         if cfg.unet_skips:
-            x_BTC, skips_SBTC = carry
-            taken_BTC = jax.lax.dynamic_index_in_dim(skips_SBTC, row["skip_from"], keepdims=False)
+            taken_BTC = jax.lax.dynamic_index_in_dim(carry["skips"], row["skip_from"], keepdims=False)
             x_BTC = mixed(kernels, cfg, x_BTC, taken_BTC, jnp.float32(1.0), row["skip_weight"])
-        else:
-            x_BTC = carry
         values = None
         if cfg.value_embeds:
             values = (shared.value_lookups, row["value_table"], row["value_on"])
         if "cache_row" in row:  # a long-short model's caches: this block's row in its kind's stack
             kv = kv._replace(row=row["cache_row"])
         x_BTC, kv = block(x_BTC, rope, kv, place, shared.x0_BTC, values, shared.segment_ids, row.get("window"))
+        carry["x"] = x_BTC
         if cfg.unet_skips:
-            skips_SBTC = jax.lax.dynamic_update_index_in_dim(skips_SBTC, x_BTC, row["skip_to"], 0)
-            return (x_BTC, skips_SBTC), kv
-        return x_BTC, kv
+            carry["skips"] = jax.lax.dynamic_update_index_in_dim(carry["skips"], x_BTC, row["skip_to"], 0)
+        if cfg.backout:
+            carry["backout"] = jnp.where(row["backout_from"], x_BTC, carry["backout"])
+        return carry, kv
 
     return step

@@ -1,0 +1,10 @@
+"""nanochat's models (karpathy/nanochat's `GPT`) as jaxgpt's: its config and its weights.
+
+    weights.py   nanochat's GPTConfig to a ModelConfig, its state dict to params and back (numpy)
+
+May import the foundation, `model` and `data`; docs/nanochat.md maps every part.
+"""
+
+from jaxgpt.nanochat.weights import model_config, params_from_state, short_window, state_from_params
+
+__all__ = ["model_config", "params_from_state", "short_window", "state_from_params"]
