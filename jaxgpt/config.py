@@ -310,6 +310,33 @@ class TrainConfig:
     beta2: float = entry(0.99, IDENTITY, FORCE, INIT_FROM, SWEEP)
     adam_eps: float = entry(1e-8, IDENTITY, FORCE, INIT_FROM)
     clip_norm: float = entry(1.0, IDENTITY, FORCE, INIT_FROM)  # 0 disables clipping
+    # The learning rates' shape over the steps: "cosine" (nanoGPT's warm-up then cosine to
+    # min_lr) or "warmdown" (nanochat's: warm-up to the peak, flat, then down in a line over the
+    # last warmdown_ratio of the steps to final_lr_frac of the peak).
+    schedule: str = entry("cosine", IDENTITY, INIT_FROM)
+    warmdown_ratio: float = entry(0.65, IDENTITY, INIT_FROM)
+    final_lr_frac: float = entry(0.05, IDENTITY, INIT_FROM)
+    # Muon's parts (jaxgpt/train/muon_parts.py), each an option: the orthogonaliser
+    # ("newton_schulz", optax's Muon, or "polar_express"), MuonEq's row equilibration, Muon+'s
+    # renormalisation, NorMuon's second moment (its decay; 0: off), cautious weight decay, and
+    # the query, key and value columns of the fused qkv kernel orthogonalised apart.
+    muon_orthogonalizer: str = entry("newton_schulz", IDENTITY, INIT_FROM)
+    muon_equilibrate_rows: bool = entry(False, IDENTITY, INIT_FROM)
+    muon_renormalize: bool = entry(False, IDENTITY, INIT_FROM)
+    muon_beta2: float = entry(0.0, IDENTITY, INIT_FROM)
+    muon_cautious_decay: bool = entry(False, IDENTITY, INIT_FROM)
+    muon_qkv_apart: bool = entry(False, IDENTITY, INIT_FROM)
+    # "constant" (0.95) or "nanochat" (0.85 up to 0.97 over the first 400 steps, down to 0.90 over
+    # the warm-down); Muon's weight decay "constant" or "cosine" (down to 0 at the last step).
+    muon_momentum_schedule: str = entry("constant", IDENTITY, INIT_FROM)
+    muon_decay_schedule: str = entry("constant", IDENTITY, INIT_FROM)
+    # AdamW's groups: "jaxgpt" (lr and the group peaks, beta1, beta2, weight_decay for all) or
+    # "nanochat" (its table, jaxgpt/train/adam_groups.py: its own betas and decay per group, the
+    # value tables at half lr_embed, the resid lambdas at lr_scalar / 100, the smear's at 0.2).
+    adam_groups: str = entry("jaxgpt", IDENTITY, INIT_FROM)
+    # The embeddings', value tables' and untied head's AdamW peaks are those of a model this wide:
+    # at d_model they are scaled by (d_model / this)^-0.5 (nanochat: 768); 0: not scaled.
+    adam_reference_width: int = entry(0, IDENTITY, INIT_FROM)
     mtp_weight: float = entry(0.3, IDENTITY, FORCE, INIT_FROM)  # weight of the multi-token-prediction losses beside the next-token loss
     seed: int = entry(0, IDENTITY, FORCE, INIT_FROM, SWEEP)
     log_every: int = entry(10, IDENTITY, RESUME, FORCE, INIT_FROM)
@@ -328,6 +355,13 @@ class TrainConfig:
     # Where the metrics go beside metrics.jsonl (always written): any of TRACKERS (jaxgpt/runs/trackers.py).
     trackers: tuple[str, ...] = entry(("tensorboard",), RESUME, FORCE, INIT_FROM)
     wandb_project: str = entry("jaxgpt", RESUME, FORCE, INIT_FROM)  # with "wandb": W&B's project (WANDB_ENTITY, WANDB_MODE, WANDB_DIR as W&B reads them)
+
+    def muon_parts(self) -> list[str]:
+        """The Muon options set away from optax's Muon (whose keys these are)."""
+        defaults = TrainConfig.__dataclass_fields__
+        names = ("muon_orthogonalizer", "muon_equilibrate_rows", "muon_renormalize", "muon_beta2",
+                 "muon_cautious_decay", "muon_qkv_apart", "muon_momentum_schedule", "muon_decay_schedule")
+        return [name for name in names if getattr(self, name) != defaults[name].default]
 
     def __post_init__(self) -> None:
         s = "train"
@@ -349,6 +383,18 @@ class TrainConfig:
                   "seed", "mtp_weight", "window_warmup_steps", allow_zero=True)
         _choice(s, "parallel", self.parallel, PARALLEL_MODES)
         _choice(s, "optimizer", self.optimizer, ("adamw", "muon"))
+        _choice(s, "schedule", self.schedule, ("cosine", "warmdown"))
+        _choice(s, "muon_orthogonalizer", self.muon_orthogonalizer, ("newton_schulz", "polar_express"))
+        _choice(s, "muon_momentum_schedule", self.muon_momentum_schedule, ("constant", "nanochat"))
+        _choice(s, "muon_decay_schedule", self.muon_decay_schedule, ("constant", "cosine"))
+        _choice(s, "adam_groups", self.adam_groups, ("jaxgpt", "nanochat"))
+        _positive(s, self, "adam_reference_width", allow_zero=True)
+        for name in ("warmdown_ratio", "final_lr_frac", "muon_beta2"):
+            if not 0.0 <= getattr(self, name) <= (1.0 if name != "muon_beta2" else 0.999999):
+                raise ConfigError(f"train.{name} = {getattr(self, name)!r} must be in [0, 1"
+                                  f"{']' if name != 'muon_beta2' else ')'}")
+        if self.optimizer != "muon" and self.muon_parts():
+            raise ConfigError(f"train.{self.muon_parts()[0]} is one of Muon's parts: it needs train.optimizer = 'muon'")
         for name in GROUP_LRS:
             value = getattr(self, name)
             if value is not None and not value > 0:

@@ -54,6 +54,7 @@ def main() -> None:
                           "max_abs_diff": float(np.abs(got - want).max()), "max_abs_logit": float(np.abs(want).max())}))
 
     print(json.dumps({"check": "greedy decoding", **greedy(model, gpt, state, args.short)}))
+    print(json.dumps({"check": "two optimizer steps", **optimizer_steps(model, gpt, args.short)}))
 
 
 def greedy(model, gpt: dict, state: dict, short: int) -> dict:
@@ -82,6 +83,54 @@ def greedy(model, gpt: dict, state: dict, short: int) -> dict:
     ours = generate(params_from_state(state, cfg), cfg, [prompt], len(theirs), temperature=0.0)[0]
     return {"tokens": len(theirs), "same": ours == theirs, "first_difference": next(
         (i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)}
+
+
+def optimizer_steps(model, gpt: dict, short: int) -> dict:
+    """Two steps of nanochat's MuonAdamW (`setup_optimizer`, weight decay 0.1 on the matrices)
+    against two of jaxgpt's with every nanochat option (docs/nanochat.md), from the same params
+    and random gradients: the largest difference over the largest update entry, and how many
+    entries differ by more than 1e-5 of it (where the cautious mask meets g p = 0 within float
+    rounding, either side is right). The vocabulary's padding rows, never read, are left out."""
+
+    import jax
+    import torch
+
+    from jaxgpt.config import load_config
+    from jaxgpt.nanochat import TRAIN_OVERRIDES, model_config, params_from_state, state_from_params
+    from jaxgpt.train.optim import make_optimizer
+
+    torch.manual_seed(1)
+    before = {k: v.detach().float().clone() for k, v in model.state_dict().items()}
+    grads = [{k: torch.randn_like(v) for k, v in before.items()} for _ in range(2)]
+    optimizer = model.setup_optimizer(weight_decay=0.1)
+    for g in grads:
+        for name, p in model.named_parameters():
+            p.grad = g[name].clone()
+        optimizer.step()
+    theirs = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    cfg = model_config(gpt, short=short)
+    # setup_optimizer's peaks, a constant momentum (0.95) and decay (0.1), as the two steps have them
+    train = load_config(None, ["model.tie_embeddings=false", *TRAIN_OVERRIDES, "train.lr_embed=0.2", "train.lr_head=0.004",
+                               "train.weight_decay=0.1", "train.muon_momentum_schedule=constant",
+                               "train.muon_decay_schedule=constant", "train.warmup_steps=0"]).train
+    ours_opt = make_optimizer(train, model=cfg)
+    params = params_from_state({k: v.numpy() for k, v in before.items()}, cfg)
+    state = ours_opt.init(params)
+    for g in grads:
+        g_params = params_from_state({k: v.numpy() for k, v in g.items()}, cfg)
+        updates, state = ours_opt.update(g_params, state, params)
+        params = jax.tree_util.tree_map(lambda p, u: p + u, params, updates)
+    ours = state_from_params(params, cfg)
+    start = {k: v.numpy() for k, v in before.items()}
+    largest = max(float(np.abs(theirs[k] - start[k]).max()) for k in theirs)
+    V = gpt["vocab_size"]
+    crop = lambda key, x: x[:V] if "wte" in key or "lm_head" in key or "value_embeds" in key else x  # noqa: E731
+    differences = {k: np.abs(crop(k, ours[k]) - crop(k, theirs[k])) for k in theirs}
+    worst = {k: float(d.max()) / largest for k, d in differences.items()}
+    name = max(worst, key=worst.get)
+    entries = sum(int(np.sum(d > 1e-5 * largest)) for d in differences.values())
+    return {"largest_update": largest, "max_diff_over_largest": worst[name], "where": name,
+            "entries_past_1e-5": entries, "entries": int(sum(d.size for d in differences.values()))}
 
 
 if __name__ == "__main__":

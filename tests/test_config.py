@@ -88,12 +88,20 @@ def test_every_key_declares_its_roles_once_and_the_rules_read_them():
                                     "position": "rope", "norm": "rmsnorm", "residual": "post",
                                     "feed_forward": "swiglu", "dtype": "bfloat16", "window_pattern": "SL",
                                     "align": "document", "parametrization": "mup", "trackers": ["wandb"],
-                                    "value_embeds_layout": "alternating", "init_scheme": "nanochat"}.get(name, "other"))(value)
+                                    "value_embeds_layout": "alternating", "init_scheme": "nanochat",
+                                    "schedule": "warmdown", "adam_groups": "nanochat",
+                                    "muon_orthogonalizer": "polar_express", "muon_momentum_schedule": "nanochat",
+                                    "muon_decay_schedule": "cosine"}.get(name, "other"))(value)
         if value is None:  # a key that follows another (the group peaks follow train.lr)
             other = 1e-3
         if name in ("kv_heads", "hidden_size", "eval_tasks_every", "ffn_match_params", "eval_tasks", "lr_head",
                     "rope_truncated", "window_warmup_steps", "value_gate"):
             continue  # derived or validated against others: covered by their neighbours
+        if name.startswith("muon_") and name != "muon_lr":  # Muon's parts, which need train.optimizer = "muon"
+            muon = load_config(None, ["train.optimizer=muon"])
+            changed = load_config(None, ["train.optimizer=muon", f"{dotted}={json.dumps(other)}"])
+            assert changed.fingerprint() != muon.fingerprint() and IDENTITY in roles_of(dotted), dotted
+            continue
         changed = load_config(None, [f"{dotted}={json.dumps(other)}"])
         assert (changed.fingerprint() != base.fingerprint()) == (IDENTITY in roles_of(dotted)), dotted
 
@@ -147,6 +155,14 @@ def test_ffn_match_params_refuses_another_explicit_hidden_size():
      "model.value_gate reads the first 12 channels: it needs d_model >= 12, got 8"),
     (["model.init_scheme=nanochat", "model.parametrization=mup"], "model.init_scheme = 'nanochat' draws its own"),
     (["model.init_scheme=xavier"], "model.init_scheme = 'xavier' is not one of normal, nanochat"),
+    (["train.muon_beta2=0.9"], "train.muon_beta2 is one of Muon's parts: it needs train.optimizer = 'muon'"),
+    (["train.optimizer=muon", "train.muon_beta2=1"], "train.muon_beta2 = 1.0 must be in [0, 1)"),
+    (["train.optimizer=muon", "train.muon_orthogonalizer=svd"],
+     "train.muon_orthogonalizer = 'svd' is not one of newton_schulz, polar_express"),
+    (["train.schedule=linear"], "train.schedule = 'linear' is not one of cosine, warmdown"),
+    (["train.warmdown_ratio=1.5"], "train.warmdown_ratio = 1.5 must be in [0, 1]"),
+    (["train.adam_groups=torch"], "train.adam_groups = 'torch' is not one of jaxgpt, nanochat"),
+    (["train.adam_reference_width=-768"], "train.adam_reference_width = -768 must be >= 0"),
     (["model.n_head=2"], "unknown config key model.n_head (did you mean 'n_heads'?)"),
     (["modle.n_heads=2"], "unknown config section 'modle' (did you mean 'model'?)"),
     (["model.d_model=big"], "model.d_model = 'big' must be an integer"),

@@ -4,19 +4,27 @@ weight matrices and that same AdamW for everything else. AdamW's updates of the 
 untied head and the scalars may take peaks of their own (`train.lr_embed`, `lr_head`,
 `lr_scalar`): the same schedule, scaled.
 
+nanochat's optimizer is a set of options of this one (docs/nanochat.md): Muon's parts
+(`jaxgpt/train/muon_parts.py`: Polar Express, MuonEq, Muon+, NorMuon, cautious decay, q, k and v
+apart, its momentum and decay schedules), its AdamW groups (`jaxgpt/train/adam_groups.py`) and its
+warm-down schedule (`train.schedule = "warmdown"`).
+
 Gradient accumulation is not done here: the train step scans over micro-batches and hands
 the optimiser one averaged gradient per step.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from jaxgpt.config import GROUP_LRS, TrainConfig
+from jaxgpt.config import GROUP_LRS, ModelConfig, TrainConfig
+from jaxgpt.train import muon_parts
+from jaxgpt.train.adam_groups import grouped_adamw, nanochat_hyper
 
 
 class OptHParams(NamedTuple):
@@ -59,6 +67,8 @@ def lr_schedule(cfg: TrainConfig, hparams: OptHParams | None = None) -> optax.Sc
     """
     hp = OptHParams.from_config(cfg) if hparams is None else hparams
     lr, min_lr, warmup, steps = hp.lr, hp.min_lr, hp.warmup_steps, cfg.steps
+    if cfg.schedule == "warmdown":
+        return lambda count: lr * warmdown_multiplier(cfg, warmup)(count)
 
     def schedule(count: jax.Array) -> jax.Array:
         ramp = lr * (count + 1) / (warmup + 1)
@@ -67,6 +77,37 @@ def lr_schedule(cfg: TrainConfig, hparams: OptHParams | None = None) -> optax.Sc
         return jnp.where(count < warmup, ramp, jnp.where(count >= steps, min_lr, cosine))
 
     return schedule
+
+
+def warmdown_multiplier(cfg: TrainConfig, warmup: Any) -> optax.Schedule:
+    """nanochat's `get_lr_multiplier` (train.schedule = "warmdown"), of optax's update count n:
+    (n + 1) / W for n < W; 1 up to S - D (D = round(warmdown_ratio * S)); then a line from 1 to
+    final_lr_frac, reached at n = S. W may be traced (a sweep's); S and D are static."""
+    steps, down = cfg.steps, round(cfg.warmdown_ratio * cfg.steps)
+
+    def multiplier(count: jax.Array) -> jax.Array:
+        ramp = (count + 1) / jnp.maximum(warmup, 1)
+        progress = (steps - count) / max(down, 1)
+        falling = progress + (1 - progress) * cfg.final_lr_frac
+        return jnp.where(count < warmup, ramp, jnp.where(count <= steps - down, 1.0, falling))
+
+    return multiplier
+
+
+def muon_momentum(cfg: TrainConfig) -> Any:
+    """Muon's momentum: MUON_MOMENTUM, or nanochat's schedule of the step (0.85 to 0.97 over the
+    first 400 steps, 0.97 to 0.90 over the warm-down)."""
+    if cfg.muon_momentum_schedule == "constant":
+        return MUON_MOMENTUM
+    down = round(cfg.warmdown_ratio * cfg.steps)
+    start = cfg.steps - down
+
+    def momentum(count: jax.Array) -> jax.Array:
+        warming = 0.85 + (0.97 - 0.85) * count / 400
+        progress = (count - start) / max(down, 1)
+        return jnp.where(count < 400, warming, jnp.where(count >= start, 0.97 + (0.90 - 0.97) * progress, 0.97))
+
+    return momentum
 
 
 def _leaf_name(path: tuple[Any, ...]) -> str:
@@ -95,16 +136,30 @@ def lr_group(path: tuple[Any, ...]) -> str:
         return "embed"
     if "lm_head" in where:
         return "head"
+    if "smear" in where or "backout" in where:  # model.smear's gate reads 24 channels into one: a scalar's work
+        return "scalar"
     return "matrix" if _leaf_name(path) == "kernel" else "scalar"
 
 
-def _group_scaled(inner: optax.GradientTransformation, hp: OptHParams,
-                  width_multiplier: float = 1.0) -> optax.GradientTransformation:
+def _width_scale(cfg: TrainConfig, model: ModelConfig | None) -> float:
+    """(d_model / train.adam_reference_width)^-0.5, nanochat's scale of its embeddings' and head's
+    rates; 1 where the reference is 0."""
+    if not cfg.adam_reference_width:
+        return 1.0
+    if model is None:
+        raise ValueError("train.adam_reference_width needs the model's width: make_optimizer(..., model=cfg.model)")
+    return (model.d_model / cfg.adam_reference_width) ** -0.5
+
+
+def _group_scaled(inner: optax.GradientTransformation, hp: OptHParams, width_multiplier: float = 1.0,
+                  width_scale: float = 1.0) -> optax.GradientTransformation:
     """`inner`'s updates times each group's peak over `lr`, and under muP the hidden matrices'
-    times 1 / `width_multiplier` (AdamW's rule in Tensor Programs V's Table 3). No state of its
-    own, so a run's optimiser state is laid out the same with or without group peaks; when every
-    factor is the number 1 (a single run that sets none), `inner` itself."""
-    factors = {"embed": hp.lr_embed / hp.lr, "head": hp.lr_head / hp.lr, "scalar": hp.lr_scalar / hp.lr}
+    times 1 / `width_multiplier` (AdamW's rule in Tensor Programs V's Table 3); the embeddings'
+    and head's times `width_scale` (`_width_scale`). No state of its own, so a run's optimiser
+    state is laid out the same with or without group peaks; when every factor is the number 1 (a
+    single run that sets none), `inner` itself."""
+    factors = {"embed": hp.lr_embed / hp.lr * width_scale, "head": hp.lr_head / hp.lr * width_scale,
+               "scalar": hp.lr_scalar / hp.lr}
     if width_multiplier != 1:
         factors["matrix"] = 1 / width_multiplier
     if all(isinstance(f, float) and f == 1.0 for f in factors.values()):
@@ -141,18 +196,45 @@ def _scale_by_width() -> optax.GradientTransformation:
         lambda u: u * max(1.0, u.shape[-1] / u.shape[-2]) ** 0.5, updates))
 
 
-def _muon(schedule: optax.Schedule, weight_decay: Any) -> optax.GradientTransformation:
-    """Momentum, orthogonalised by Newton-Schulz (optax.contrib), then decoupled decay, as AdamW."""
-    return optax.chain(
-        optax.contrib.scale_by_muon(beta=MUON_MOMENTUM, weight_dimension_numbers=_matrix_axes),
-        _scale_by_width(),
-        optax.add_decayed_weights(weight_decay),
-        optax.scale_by_learning_rate(schedule),
-    )
+def _muon(cfg: TrainConfig, schedule: optax.Schedule, weight_decay: Any,
+          model: ModelConfig | None = None) -> optax.GradientTransformation:
+    """Momentum, orthogonalised by Newton-Schulz (optax.contrib), then decoupled decay, as AdamW.
+
+    With any of Muon's parts set (`TrainConfig.muon_parts`), nanochat's order of them instead:
+    Nesterov as lerps, MuonEq, the orthogonaliser, Muon+, NorMuon, the (cautious) decay, then the
+    shape's scale and the rate, so that the decay is scaled by the shape as the step is."""
+    if not cfg.muon_parts():
+        return optax.chain(
+            optax.contrib.scale_by_muon(beta=MUON_MOMENTUM, weight_dimension_numbers=_matrix_axes),
+            _scale_by_width(),
+            optax.add_decayed_weights(weight_decay),
+            optax.scale_by_learning_rate(schedule),
+        )
+    if cfg.muon_decay_schedule == "cosine":
+        decay = lambda count, wd=weight_decay: wd * 0.5 * (1 + jnp.cos(jnp.pi * count / cfg.steps))  # noqa: E731
+    else:
+        decay = weight_decay
+    parts = [muon_parts.ema_nesterov(muon_momentum(cfg))]
+    if cfg.muon_equilibrate_rows:
+        parts.append(muon_parts.equilibrate_rows())
+    parts.append(muon_parts.orthogonalize(cfg.muon_orthogonalizer))
+    if cfg.muon_renormalize:
+        parts.append(muon_parts.renormalize())
+    if cfg.muon_beta2:
+        parts.append(muon_parts.normuon(cfg.muon_beta2))
+    parts.append(muon_parts.decay(decay, cautious=cfg.muon_cautious_decay))
+    parts += [_scale_by_width(), optax.scale_by_learning_rate(schedule)]
+    chain = optax.chain(*parts)
+    if not cfg.muon_qkv_apart:
+        return chain
+    if model is None:
+        raise ValueError("train.muon_qkv_apart needs the model's head layout: make_optimizer(..., model=cfg.model)")
+    D = model.head_size
+    return muon_parts.qkv_apart(chain, (model.n_heads * D, model.kv_heads * D, model.kv_heads * D))
 
 
 def make_optimizer(cfg: TrainConfig, hparams: OptHParams | None = None,
-                   width_multiplier: float = 1.0) -> optax.GradientTransformation:
+                   width_multiplier: float = 1.0, model: ModelConfig | None = None) -> optax.GradientTransformation:
     """clip_by_global_norm(clip_norm) (skipped when clip_norm == 0), then masked AdamW; with
     `optimizer = "muon"`, the hidden matrices (`muon_mask`) get Muon at `muon_lr` instead, on the
     same warmup + cosine schedule shape, and the rest keep AdamW at `lr`.
@@ -165,13 +247,19 @@ def make_optimizer(cfg: TrainConfig, hparams: OptHParams | None = None,
     """
     hp = OptHParams.from_config(cfg) if hparams is None else hparams
     schedule = lr_schedule(cfg, hp)
-    update: optax.GradientTransformation = _group_scaled(optax.adamw(
-        schedule, b1=hp.beta1, b2=hp.beta2, eps=cfg.adam_eps, weight_decay=hp.weight_decay, mask=decay_mask,
-    ), hp, width_multiplier)
+    if cfg.adam_groups == "nanochat":
+        width = _width_scale(cfg, model)
+        update: optax.GradientTransformation = grouped_adamw(
+            lambda count: schedule(count) / hp.lr, functools.partial(nanochat_hyper, hp=hp, width_scale=width),
+            cfg.adam_eps)
+    else:
+        update = _group_scaled(optax.adamw(
+            schedule, b1=hp.beta1, b2=hp.beta2, eps=cfg.adam_eps, weight_decay=hp.weight_decay, mask=decay_mask,
+        ), hp, width_multiplier, _width_scale(cfg, model))
     if cfg.optimizer == "muon":
         muon_schedule = lambda count: schedule(count) * (hp.muon_lr / hp.lr)  # noqa: E731
         update = optax.partition(
-            {"muon": _muon(muon_schedule, hp.weight_decay), "adamw": update},
+            {"muon": _muon(cfg, muon_schedule, hp.weight_decay, model), "adamw": update},
             lambda params: jax.tree_util.tree_map(lambda m: "muon" if m else "adamw", muon_mask(params)),
         )
     if cfg.clip_norm > 0:

@@ -39,7 +39,7 @@ def init_state(cfg: RunConfig, rng: jax.Array) -> TrainState:
 def state_from_params(cfg: RunConfig, params: Params) -> TrainState:
     """A step-0 state holding `params` (fresh ones, or imported weights to fine-tune)."""
     return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                      opt_state=make_optimizer(cfg.train).init(params))
+                      opt_state=make_optimizer(cfg.train, model=cfg.model).init(params))
 
 
 def depth_losses(params: Params, model: ModelConfig, window_BW: jax.Array, *, train: bool = False,
@@ -92,7 +92,7 @@ def train_step(cfg: RunConfig, state: TrainState, batch_BW: jax.Array, axis_name
     """
     model, train = cfg.model, cfg.train
     hparams = OptHParams.from_config(train) if hparams is None else hparams
-    optimizer = make_optimizer(train, hparams, model.width_multiplier())
+    optimizer = make_optimizer(train, hparams, model.width_multiplier(), model)
     seed = train.seed if seed is None else seed
     dropout_key = jax.random.fold_in(jax.random.key(seed), state.step)
     if axis_name is not None:
