@@ -55,6 +55,7 @@ def main() -> None:
 
     print(json.dumps({"check": "greedy decoding", **greedy(model, gpt, state, args.short)}))
     print(json.dumps({"check": "two optimizer steps", **optimizer_steps(model, gpt, args.short)}))
+    print(json.dumps({"check": "checkpoints through nanochat's own checkpoint_manager", **checkpoints()}))
 
 
 def greedy(model, gpt: dict, state: dict, short: int) -> dict:
@@ -97,6 +98,7 @@ def optimizer_steps(model, gpt: dict, short: int) -> dict:
 
     from jaxgpt.config import load_config
     from jaxgpt.nanochat import TRAIN_OVERRIDES, model_config, params_from_state, state_from_params
+    from jaxgpt.nanochat.weights import without_gain_gradients
     from jaxgpt.train.optim import make_optimizer
 
     torch.manual_seed(1)
@@ -117,7 +119,7 @@ def optimizer_steps(model, gpt: dict, short: int) -> dict:
     params = params_from_state({k: v.numpy() for k, v in before.items()}, cfg)
     state = ours_opt.init(params)
     for g in grads:
-        g_params = params_from_state({k: v.numpy() for k, v in g.items()}, cfg)
+        g_params = without_gain_gradients(params_from_state({k: v.numpy() for k, v in g.items()}, cfg))
         updates, state = ours_opt.update(g_params, state, params)
         params = jax.tree_util.tree_map(lambda p, u: p + u, params, updates)
     ours = state_from_params(params, cfg)
@@ -131,6 +133,64 @@ def optimizer_steps(model, gpt: dict, short: int) -> dict:
     entries = sum(int(np.sum(d > 1e-5 * largest)) for d in differences.values())
     return {"largest_update": largest, "max_diff_over_largest": worst[name], "where": name,
             "entries_past_1e-5": entries, "entries": int(sum(d.size for d in differences.values()))}
+
+
+def checkpoints() -> dict:
+    """nanochat's own save_checkpoint writes a GPT (its window rule: 2,048 positions would be too
+    slow here, so 256, whose S window is 128 of them) and a tokenizer trained on a little text by
+    a byte-pair trainer written here; `jaxgpt import-nanochat` reads them, `export-nanochat`
+    writes them back, and nanochat's own load_model("base") reads the export: logits of all three
+    against nanochat's, and the tokenizer's ids."""
+    import pickle
+    import tempfile
+    import types
+    from pathlib import Path
+
+    import torch
+    sys.modules.setdefault("rustbpe", types.ModuleType("rustbpe"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from nanochat.checkpoint_manager import load_model, save_checkpoint
+    from nanochat.gpt import GPT, GPTConfig
+    from nanochat_files import train_encoding
+
+    from jaxgpt.cli.main import main as jaxgpt_main
+    from jaxgpt.data.tokenizer import Tokenizer
+    from jaxgpt.model.decoder import forward
+    from jaxgpt.train.checkpoint import load_newest
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    encoding = train_encoding(text, 200)
+    gpt = dict(sequence_len=256, vocab_size=encoding.n_vocab, n_layer=4, n_head=4, n_kv_head=2, n_embd=64,
+               window_pattern="SSSL")
+    torch.manual_seed(2)
+    model = GPT(GPTConfig(**gpt))
+    model.init_weights()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.add_(torch.randn_like(p) * (0.3 if "lambda" in name else 0.15))
+    tokens = torch.tensor([encoding.encode(text[:4000])[:256]])
+    with torch.no_grad():
+        want = model(tokens).float().numpy()
+    with tempfile.TemporaryDirectory() as tmp:
+        base, again = Path(tmp) / "base", Path(tmp) / "again"
+        (base / "tokenizer").mkdir(parents=True)
+        (base / "tokenizer" / "tokenizer.pkl").write_bytes(pickle.dumps(encoding))
+        save_checkpoint(str(base / "base_checkpoints" / "d4"), 700, model.state_dict(), None,
+                        {"step": 700, "model_config": gpt})
+        run = Path(tmp) / "run"
+        assert jaxgpt_main(["import-nanochat", str(base / "base_checkpoints" / "d4"), "--out", str(run)]) == 0
+        cfg, params, step = load_newest(run)
+        ours = np.asarray(forward(params, cfg, tokens.numpy()))
+        same_ids = Tokenizer.load(run / "tokenizer.json").encode(text).tolist() == encoding.encode(text)
+        assert jaxgpt_main(["export-nanochat", "--run", str(run), "--out", str(again)]) == 0
+        os.environ["NANOCHAT_BASE_DIR"] = str(again)
+        back, tokenizer, meta = load_model("base", torch.device("cpu"), phase="eval")
+        with torch.no_grad():
+            round_trip = back(tokens).float().numpy()
+    return {"step": step, "windows": list(cfg.block_windows()), "same_tokenizer_ids": same_ids,
+            "import_max_abs_diff": float(np.abs(ours - want).max()),
+            "export_max_abs_diff": float(np.abs(round_trip - want).max()), "max_abs_logit": float(np.abs(want).max()),
+            "nanochat_reads_the_tokenizer": tokenizer.get_vocab_size() == encoding.n_vocab}
 
 
 if __name__ == "__main__":

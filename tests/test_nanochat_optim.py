@@ -19,6 +19,7 @@ import jaxgpt.train.loop as train_module
 from jaxgpt.config import load_config
 from jaxgpt.model.decoder import init_params
 from jaxgpt.nanochat import TRAIN_OVERRIDES, model_config, state_from_params
+from jaxgpt.nanochat.weights import without_gain_gradients
 from jaxgpt.runs.metrics import read_metrics
 from jaxgpt.tools.sweep import load_sweep, run_sweep
 from jaxgpt.train.optim import lr_schedule, make_optimizer, muon_momentum
@@ -46,7 +47,11 @@ def _both(scan: bool, overrides=()):
     cfg = load_config(None, [*NANOCHAT, *overrides])
     cfg = dataclasses.replace(cfg, model=model)
     params = _random_like(init_params(model, jax.random.key(0)), seed=1, spread=0.1)
-    grads = [_random_like(jax.tree_util.tree_map(np.zeros_like, params), seed=s) for s in (2, 3)]
+    params = jax.tree_util.tree_map_with_path(  # nanochat's norms have no gains: jaxgpt's at 1
+        lambda path, leaf: np.ones_like(leaf) if jax.tree_util.keystr(path).endswith("['scale']") else leaf, params)
+    # nanochat's GPT has no norm gains: theirs get no gradient (the export folds them in)
+    grads = [without_gain_gradients(_random_like(jax.tree_util.tree_map(np.zeros_like, params), seed=s))
+             for s in (2, 3)]
     optimizer = make_optimizer(cfg.train, model=model)
     state, ours = optimizer.init(params), params
     for g in grads:
@@ -57,7 +62,8 @@ def _both(scan: bool, overrides=()):
     theirs = {k: torch.tensor(v) for k, v in before.items()}
     table, slots = groups(list(theirs), GPT["n_embd"], weight_decay=0.1), {}
     for g in grads:
-        reference_step(theirs, {k: torch.tensor(v) for k, v in state_from_params(g, model).items()}, slots, table)
+        reference_step(theirs, {k: torch.tensor(v) for k, v in state_from_params(g, model, fold_gains=False).items()},
+                       slots, table)
     theirs = {k: v.numpy() for k, v in theirs.items()}
     largest = max(float(np.abs(theirs[k] - before[k]).max()) for k in theirs)
     edges = {k: slot["edge"].numpy() for k, slot in slots.items() if "edge" in slot}

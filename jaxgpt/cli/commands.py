@@ -341,6 +341,22 @@ def cmd_import_hf(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_import_nanochat(args: argparse.Namespace) -> int:
+    from jaxgpt.train.imported import import_nanochat_run
+
+    run_dir, step = import_nanochat_run(args.checkpoint_dir, args.out, step=args.step, tokenizer_dir=args.tokenizer)
+    print(json.dumps({"run": str(run_dir), "from": args.checkpoint_dir, "step": step}))
+    return 0
+
+
+def cmd_export_nanochat(args: argparse.Namespace) -> int:
+    from jaxgpt.train.imported import export_nanochat_run
+
+    folder = export_nanochat_run(args.run, args.out, step=args.step)
+    print(json.dumps({"checkpoint_dir": str(folder), "base_dir": args.out, "from": args.run}))
+    return 0
+
+
 def cmd_export_hf(args: argparse.Namespace) -> int:
     from jaxgpt.hf.exporter import check_export_dir, dropped_on_export, export_hf
     from jaxgpt.train.checkpoint import load_run

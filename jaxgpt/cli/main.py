@@ -16,8 +16,10 @@ from jaxgpt.cli.commands import (
     cmd_dry_run,
     cmd_eval,
     cmd_export_hf,
+    cmd_export_nanochat,
     cmd_generate,
     cmd_import_hf,
+    cmd_import_nanochat,
     cmd_launch,
     cmd_prepare,
     cmd_sweep,
@@ -28,7 +30,8 @@ from jaxgpt.errors import Failure, UserError
 # One line each (jaxgpt.errors); any other exception is a bug and keeps its traceback.
 USER_ERRORS = (UserError, OSError, ImportError)
 # The commands that compile programs, which the compilation cache serves (jaxgpt.process.compile_cache).
-COMPILING = ("train", "eval", "generate", "sweep", "bench", "dry-run", "import-hf", "export-hf", "coordcheck")
+COMPILING = ("train", "eval", "generate", "sweep", "bench", "dry-run", "import-hf", "export-hf", "coordcheck",
+             "import-nanochat", "export-nanochat")
 
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
@@ -42,7 +45,7 @@ class _CommandListFormatter(argparse.RawDescriptionHelpFormatter):
     """`jaxgpt --help`: one line per command, without argparse's "{a,b,c}" header line."""
 
     def __init__(self, prog: str) -> None:
-        super().__init__(prog, max_help_position=16)
+        super().__init__(prog, max_help_position=19)
 
     def _format_action(self, action: argparse.Action) -> str:
         if isinstance(action, argparse._SubParsersAction):
@@ -71,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     # them for the others.
     parser.set_defaults(handles_signals=False)
 
-    dry = _command(sub, "dry-run", "check a config: parameters, memory; --target: plan it for a chip",
+    dry = _command(sub, "dry-run", "check a config (parameters, memory); --target plans a chip",
                    "Check a config: parameters, logits shape, device memory. With --target, compile its train, "
                    "eval and sampling programs for that accelerator, on any machine (pip install "
                    "'jaxgpt[targets]'), and say whether they fit its memory")
@@ -93,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "room for another process on the chip)")
     dry.set_defaults(func=cmd_dry_run)
 
-    pre = _command(sub, "prepare", "encode a data source into its token store, ahead of training",
+    pre = _command(sub, "prepare", "encode a data source into its token store, before training",
                    "Encode a data source into its token store (llm.c shards in the cache, $JAXGPT_CACHE), "
                    "as train would on its first start; run again, it continues an interrupted preparation")
     _add_config_args(pre)
@@ -118,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "tokenizer.json the tokenizer, under --config and --set")
     tr.set_defaults(func=cmd_train, handles_signals=True)
 
-    ev = _command(sub, "eval", "validation loss of a run, or lm-evaluation-harness tasks on it",
+    ev = _command(sub, "eval", "a run's validation loss, or lm-evaluation-harness tasks",
                   "Validation loss, perplexity and bits per byte of a run's newest checkpoint (JSON); with "
                   "--tasks, lm-evaluation-harness tasks on it (pip install 'jaxgpt[eval]'): the harness's "
                   "table, an eval_tasks record in the run's metrics")
@@ -209,6 +212,24 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--out", required=True, help="the Hugging Face directory to write (new or empty)")
     exp.add_argument("--force", action="store_true", help="write into a non-empty --out, replacing its model files")
     exp.set_defaults(func=cmd_export_hf)
+    inc = _command(sub, "import-nanochat", "make a run from a nanochat checkpoint folder",
+                   "Make a run from a nanochat checkpoint folder (model_NNNNNN.pt, meta_NNNNNN.json) and its "
+                   "tokenizer.pkl: the run is at nanochat's step and trains on with nanochat's optimizer "
+                   "(docs/nanochat.md). Needs PyTorch (jaxgpt[nanochat]).")
+    inc.add_argument("checkpoint_dir", help="nanochat's folder of one model, e.g. BASE/base_checkpoints/d20")
+    inc.add_argument("--out", required=True, help="the run directory to create")
+    inc.add_argument("--step", type=int, default=None, help="the checkpoint's step (default: the newest)")
+    inc.add_argument("--tokenizer", default=None, metavar="DIR",
+                     help="the folder of its tokenizer.pkl (default: BASE/tokenizer, two levels above the checkpoint folder)")
+    inc.set_defaults(func=cmd_import_nanochat)
+    exn = _command(sub, "export-nanochat", "write a run as nanochat's base directory",
+                   "Write a run's newest checkpoint (or --step's) as nanochat's base directory: "
+                   "OUT/base_checkpoints/dL/model_NNNNNN.pt and meta_NNNNNN.json, OUT/tokenizer/tokenizer.pkl, "
+                   "so nanochat's scripts run on it with NANOCHAT_BASE_DIR=OUT. Needs PyTorch (jaxgpt[nanochat]).")
+    exn.add_argument("--run", required=True, help="a run directory (one imported from nanochat: it carries nanochat's tokenizer)")
+    exn.add_argument("--out", required=True, help="nanochat's base directory to write into")
+    exn.add_argument("--step", type=int, default=None, help="the checkpoint's step (default: the newest good one)")
+    exn.set_defaults(func=cmd_export_nanochat)
     la = _command(sub, "launch", "train as N processes of one JAX job on this machine",
                   "Train as N processes of one JAX job on this machine, e.g. "
                   "jaxgpt launch -n 2 --devices-per-process 4 -- train --out runs/a")

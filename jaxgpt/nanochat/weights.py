@@ -17,12 +17,14 @@ V64 is the vocabulary padded to a multiple of 64: its rows past V are never look
 logits past V are cropped, so the import drops them and the export pads them with zeros.
 nanochat rotates by -theta where jaxgpt rotates by +theta: the second half of every query and
 key head is negated, which turns one rotation into the other and which no RMS-norm sees. Its
-norms have no gains (jaxgpt's RMSNorm gains are 1) and its window (FA3's left size W) reads
-W + 1 keys (jaxgpt's model.attention_window = W + 1).
+norms have no gains: jaxgpt's RMSNorm gains are 1 on import and are folded into the matrices that
+read them on export. Its window (FA3's left size W) reads W + 1 keys (jaxgpt's
+model.attention_window = W + 1).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Mapping
 
 import numpy as np
@@ -41,6 +43,12 @@ def short_window(sequence_len: int) -> int:
     return -(-sequence_len // 4 // 128) * 128
 
 
+def layer_letters(pattern: str, n_layer: int) -> str:
+    """Each layer's letter: `pattern` tiled over the layers, the last one L (nanochat's last layer
+    always reads the whole context)."""
+    return (pattern.upper() * n_layer)[:n_layer - 1] + "L"
+
+
 def padded_vocab(vocab_size: int) -> int:
     return -(-vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
 
@@ -56,10 +64,10 @@ def model_config(gpt_config: Mapping[str, Any], *, scan_layers: bool = True, sho
     pattern = str(gpt_config["window_pattern"]).upper()
     if not pattern or set(pattern) - {"S", "L"}:
         raise UserError(f"nanochat's window_pattern {pattern!r} must be letters S and L")
-    letters = (pattern * n_layer)[:n_layer - 1] + "L"  # nanochat's last layer always reads the whole context
+    letters = layer_letters(pattern, n_layer)
     window = (short_window(T) if short is None else short) + 1
-    if window >= T or "S" not in letters:  # a window as long as the context is none
-        window, letters = 0, "S"
+    if window >= T or "S" not in letters:  # a window as long as the context is none (the letters kept for export)
+        window = 0
     if C % H:
         raise UserError(f"nanochat's n_embd {C} is not divisible by n_head {H}")
     return ModelConfig(
@@ -70,6 +78,30 @@ def model_config(gpt_config: Mapping[str, Any], *, scan_layers: bool = True, sho
         value_embeds=(n_layer + 1) // 2, value_embeds_layout="alternating", value_gate=True, smear=True,
         backout=True, init_scheme="nanochat", attention_window=window, window_pattern=letters,
         scan_layers=scan_layers, **more)
+
+
+# What nanochat's GPT computes that a ModelConfig may change: its value, key by key (the shape keys
+# and the windows are nanochat's own: vocab_size ... n_layers, and its rule for the window).
+HOW_IT_RUNS = ("scan_layers", "remat", "kernels", "dtype", "init_scheme", "init_std", "dropout", "zero_init")
+
+
+def refusal(cfg: ModelConfig) -> str:
+    """"" where nanochat's GPT holds `cfg`'s model, else what it cannot hold, naming the key."""
+    letters = "".join("S" if w else "L" for w in cfg.block_windows())
+    gpt = {"sequence_len": cfg.context_length, "vocab_size": cfg.vocab_size, "n_layer": cfg.n_layers,
+           "n_head": cfg.n_heads, "n_kv_head": cfg.kv_heads, "n_embd": cfg.d_model, "window_pattern": letters}
+    if cfg.d_model < 24:
+        return f"model.d_model = {cfg.d_model}: nanochat's smear reads 24 channels"
+    theirs = model_config(gpt, scan_layers=cfg.scan_layers)
+    for f in dataclasses.fields(ModelConfig):
+        if f.name in HOW_IT_RUNS or f.name in ("attention_window", "window_pattern"):
+            continue
+        if getattr(cfg, f.name) != getattr(theirs, f.name):
+            return f"model.{f.name} = {getattr(cfg, f.name)!r} (nanochat's GPT has {getattr(theirs, f.name)!r})"
+    if cfg.block_windows() != theirs.block_windows():
+        return (f"model.attention_window = {cfg.attention_window} over window_pattern {cfg.window_pattern!r} "
+                f"(nanochat's GPT at context {cfg.context_length} has windows {list(theirs.block_windows())})")
+    return ""
 
 
 def _flip_rotation(w_out_in: np.ndarray, heads: int) -> np.ndarray:
@@ -152,18 +184,24 @@ def _layer(params: Params, cfg: ModelConfig, i: int) -> Params:
     return take(params["blocks"])
 
 
-def state_from_params(params: Params, cfg: ModelConfig) -> dict[str, np.ndarray]:
+def state_from_params(params: Params, cfg: ModelConfig, fold_gains: bool = True) -> dict[str, np.ndarray]:
     """nanochat's state dict (float32 numpy, the vocabulary padded with zero rows to a multiple of
-    64) from jaxgpt's params of a model `model_config` describes."""
+    64) from jaxgpt's params of a model `model_config` describes (`refusal` says ""). The RMSNorm
+    gains jaxgpt trains are folded into the matrices that read the norms (nanochat's norms have
+    none), so the state dict computes what the params do; `fold_gains=False` for a tree that is
+    not weights (gradients, updates), converted entry by entry."""
+    gain = (lambda norm: np.asarray(norm["scale"], np.float32)) if fold_gains else (
+        lambda norm: np.ones(cfg.d_model, np.float32))
     V, K, D, L = cfg.vocab_size, cfg.kv_heads, cfg.head_size, cfg.n_layers
     pad = padded_vocab(V) - V
+    final_gain = gain(params["final_norm"])
 
     def rows(x: Any) -> np.ndarray:
         x = np.asarray(x, np.float32)
         return np.concatenate([x, np.zeros((pad, *x.shape[1:]), np.float32)])
 
     state = {"transformer.wte.weight": rows(params["token_embedding"]["embedding"]),
-             "lm_head.weight": rows(np.asarray(params["lm_head"]["kernel"]).T),
+             "lm_head.weight": rows((final_gain[:, None] * np.asarray(params["lm_head"]["kernel"], np.float32)).T),
              "smear_gate.weight": np.asarray(params["smear_gate"]["kernel"], np.float32).T,
              "smear_lambda": np.asarray(params["smear_lambda"], np.float32).reshape(1),
              "backout_lambda": np.asarray(params["backout_lambda"], np.float32).reshape(1)}
@@ -172,15 +210,31 @@ def state_from_params(params: Params, cfg: ModelConfig) -> dict[str, np.ndarray]
     H = cfg.n_heads
     for i in range(L):
         block, at = _layer(params, cfg, i), f"transformer.h.{i}."
-        qkv = np.asarray(block["attention"]["qkv"]["kernel"], np.float32).T
+        # The gains of the norms before the projections folded into the matrices they feed
+        # (nanochat's norms have none): W (g * x) = (W diag(g)) x.
+        attention_gain = gain(block["attention_norm"])[:, None]
+        feed_forward_gain = gain(block["feed_forward_norm"])[:, None]
+        qkv = (attention_gain * np.asarray(block["attention"]["qkv"]["kernel"], np.float32)).T
         state[at + "attn.c_q.weight"] = _flip_rotation(qkv[:H * D], H)
         state[at + "attn.c_k.weight"] = _flip_rotation(qkv[H * D:(H + K) * D], K)
         state[at + "attn.c_v.weight"] = qkv[(H + K) * D:].copy()
         state[at + "attn.c_proj.weight"] = np.asarray(block["attention"]["out"]["kernel"], np.float32).T
-        state[at + "mlp.c_fc.weight"] = np.asarray(block["feed_forward"]["up"]["kernel"], np.float32).T
+        state[at + "mlp.c_fc.weight"] = (feed_forward_gain * np.asarray(block["feed_forward"]["up"]["kernel"], np.float32)).T
         state[at + "mlp.c_proj.weight"] = np.asarray(block["feed_forward"]["down"]["kernel"], np.float32).T
     for table, i in enumerate(_value_layers(L)):
         state[f"value_embeds.{i}.weight"] = rows(np.asarray(params["value_embeds"])[table])
-        gate = np.asarray(_layer(params, cfg, i)["attention"]["value_gate"]["kernel"], np.float32)
+        block = _layer(params, cfg, i)
+        gate_gain = gain(block["attention_norm"])[:12, None]  # the gate reads the normed input's first 12
+        gate = gate_gain * np.asarray(block["attention"]["value_gate"]["kernel"], np.float32)
         state[f"transformer.h.{i}.attn.ve_gate.weight"] = gate.T.copy()
     return state
+
+
+def without_gain_gradients(grads: Params) -> Params:
+    """Gradients from nanochat's (`params_from_state` of its gradient tensors) with the RMSNorm
+    gains', which nanochat's GPT does not have, at zero: the gains then stay at 1."""
+    def zeroed(tree: Any, name: str = "") -> Any:
+        if isinstance(tree, dict):
+            return {key: zeroed(value, key) for key, value in tree.items()}
+        return np.zeros_like(tree) if name == "scale" else tree
+    return zeroed(grads)

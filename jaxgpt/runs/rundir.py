@@ -28,6 +28,7 @@ from typing import IO
 
 CONFIG = "config.toml"
 TOKENIZER = "tokenizer.json"
+NANOCHAT_TOKENIZER = "nanochat_tokenizer.pkl"  # an imported nanochat run's tokenizer as nanochat stores it
 METRICS = "metrics.jsonl"
 CHECKPOINTS = "checkpoints"
 TENSORBOARD = "tensorboard"
@@ -62,6 +63,11 @@ class RunDir:
     @property
     def tokenizer(self) -> Path:
         return self.root / TOKENIZER
+
+    @property
+    def nanochat_tokenizer(self) -> Path:
+        """The tokenizer.pkl a run imported from nanochat came with, which export-nanochat writes back."""
+        return self.root / NANOCHAT_TOKENIZER
 
     @property
     def metrics(self) -> Path:

@@ -384,3 +384,19 @@ def load_newest(run_dir: str | Path, warn: Callable[[str], None] = _to_stderr) -
         raise FileNotFoundError(f"no good checkpoint in {RunDir(run_dir).checkpoints}")
     state, manifest, _ = found
     return cfg.model, state.params, manifest["step"]
+
+
+def load_step(run_dir: str | Path, step: int | None = None) -> tuple[ModelConfig, Params, int]:
+    """`load_newest`, or the checkpoint of `step` (one line where the run has none at it)."""
+    if step is None:
+        return load_newest(run_dir)
+    cfg = load_run_config(run_dir)
+    like = on_one_device(jax.eval_shape(lambda: init_state(cfg, jax.random.key(0))))
+    checkpointer = Checkpointer(Path(run_dir), keep=cfg.train.keep_checkpoints, read_only=True)
+    try:
+        if step not in checkpointer.steps():
+            raise UserError(f"{run_dir} has no checkpoint at step {step} (it has {checkpointer.steps() or 'none'})")
+        state, _, _ = checkpointer.restore(like, step)
+    finally:
+        checkpointer.close()
+    return cfg.model, state.params, step
