@@ -97,7 +97,12 @@ def child_programs(shape: str) -> dict[str, str]:
             cfg = load_config(str(ROOT / "experiments/day1.toml"), SHAPES[shape] + overrides)
         model = cfg.model
         state = init_state(cfg, jax.random.key(0))
-        batch = jnp.zeros((cfg.train.batch_size, window_length(model)), jnp.int32)
+        try:  # the rows' width: with data.document_mask, the segment ids after the tokens
+            from jaxgpt.data.batches import batch_width
+            width = batch_width(cfg)
+        except ImportError:
+            width = window_length(model)
+        batch = jnp.zeros((cfg.train.batch_size, width), jnp.int32)
         train, evaluate = compile_steps(cfg)
         programs[f"{shape} {variant} train"] = train.lower(state, batch).compile().as_text()
         programs[f"{shape} {variant} eval"] = evaluate.lower(state.params, batch).compile().as_text()

@@ -14,12 +14,12 @@ from speedrun_references import NanochatGPT
 from test_speedrun_parity import randomised
 
 from jaxgpt.cli.main import main
-from jaxgpt.data.tokenizer import Tokenizer
+from jaxgpt.data.tokenizer import Tokenizer, build_tokenizer
 from jaxgpt.errors import UserError
 from jaxgpt.evaluation.generate import generate
 from jaxgpt.model.decoder import forward
 from jaxgpt.nanochat.checkpoints import read_checkpoint
-from jaxgpt.nanochat.tokenizer import load_tokenizer, read_encoding
+from jaxgpt.data.tiktoken_pickle import read_encoding
 from jaxgpt.nanochat.weights import layer_letters
 from jaxgpt.train.checkpoint import load_newest
 from jaxgpt.train.imported import export_nanochat_run, import_nanochat_run
@@ -47,8 +47,9 @@ def nanochat_base(tmp_path_factory):
 
 def test_the_tokenizer_gives_nanochats_ids(nanochat_base):
     base, _, _, encoding, _ = nanochat_base
-    tokenizer = load_tokenizer(base / "tokenizer" / "tokenizer.pkl")
-    assert tokenizer.vocab_size == encoding.n_vocab
+    # data.tokenizer may name it: a run stores it as tokenizer.json (the same ids)
+    tokenizer = build_tokenizer(str(base / "tokenizer" / "tokenizer.pkl"), [], encoding.n_vocab)
+    assert tokenizer.vocab_size == encoding.n_vocab and tokenizer.bos_id == encoding.encode_single_token("<|bos|>")
     for text in (TEXT[:500], "Hello  world!\n\n  123456 ÿ€ 日本語 I'll\t\tx  ", "<|bos|>Speak<|user_start|>hi", "  "):
         ids = tokenizer.encode(text).tolist()
         assert ids == encoding.encode(text, allowed_special="all") and tokenizer.decode(ids) == text
@@ -66,12 +67,14 @@ def test_import_computes_nanochats_logits_keeps_its_step_and_generates(nanochat_
         want = ref(torch.from_numpy(tokens)).numpy()
     np.testing.assert_allclose(np.asarray(forward(params, model, tokens)), want, atol=1e-4, rtol=0)
     assert Tokenizer.load(run / "tokenizer.json").encode(TEXT[:300]).tolist() == encoding.encode(TEXT[:300])
-    # generate reads it like any run: the greedy continuation of a prompt is the forward pass's.
+    # generate reads it like any run, from <|bos|> as nanochat generates: the greedy
+    # continuation of a prompt is the forward pass's after BOS and the prompt.
     assert main(["generate", "--run", str(run), "--prompt", "First Citizen:", "--temperature", "0",
                  "--max-new-tokens", "5"]) == 0
-    prompt = encoding.encode("First Citizen:")
+    prompt = [encoding.encode_single_token("<|bos|>"), *encoding.encode("First Citizen:")]
     new = generate(params, model, [prompt], 5, temperature=0.0)[0]
     assert capsys.readouterr().out == "First Citizen:" + encoding.decode(new) + "\n"
+    assert new != generate(params, model, [prompt[1:]], 5, temperature=0.0)[0]  # BOS matters to the text
     # --step picks an older checkpoint; the run keeps its step.
     older = tmp_path / "older"
     assert import_nanochat_run(folder, older, step=100)[1] == 100 and load_newest(older)[2] == 100

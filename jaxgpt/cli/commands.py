@@ -216,7 +216,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     tokenizer = Tokenizer.load(RunDir(args.run).tokenizer)
     model, params = load_run(args.run)
     documents = load_run_config(args.run).data.document_mask  # the model reads one document at a time
-    prompt = list(tokenizer.encode(args.prompt)) if args.prompt else list(tokenizer.encode("\n")) or [0]
+    if tokenizer.bos_id is not None:  # a model whose documents open with BOS (nanochat's) starts from it
+        prompt = [tokenizer.bos_id, *tokenizer.encode(args.prompt)]
+    else:
+        prompt = list(tokenizer.encode(args.prompt)) if args.prompt else list(tokenizer.encode("\n")) or [0]
     stop_token = None
     if args.stop is not None:
         stop_ids = [int(i) for i in tokenizer.encode(args.stop)]

@@ -36,6 +36,8 @@ _SAFE_CUT = re.compile(r"(?<=[!-~])\n(?=[A-Za-z])")
 # The end-of-text token jaxgpt's own tokenizers gain (GPT-2's); the names other tokenizers give theirs.
 EOT = "<|endoftext|>"
 END_OF_TEXT_NAMES = (EOT, "<|end_of_text|>", "</s>", "<eos>")
+# The token that opens every document where a tokenizer has one (nanochat's): text is generated after it.
+BEGIN_OF_TEXT_NAMES = ("<|bos|>",)
 
 
 def safe_cut(text: str, at: int) -> int | None:
@@ -65,6 +67,12 @@ class Tokenizer:
         """The id of the end-of-text token that follows each document, or None if there is none."""
         special = {t.content: i for i, t in self._hf.get_added_tokens_decoder().items() if t.special}
         return next((special[name] for name in END_OF_TEXT_NAMES if name in special), None)
+
+    @property
+    def bos_id(self) -> int | None:
+        """The id of the token that opens each document (nanochat's `<|bos|>`), or None."""
+        special = {t.content: i for i, t in self._hf.get_added_tokens_decoder().items() if t.special}
+        return next((special[name] for name in BEGIN_OF_TEXT_NAMES if name in special), None)
 
     def to_json(self) -> str:
         return self._hf.to_str()
@@ -123,8 +131,13 @@ class Tokenizer:
 
     @classmethod
     def load(cls, path: str | Path, kind: str = FILE) -> Tokenizer:
-        """A tokenizer.json, or a directory holding one or GPT-2's vocab.json + merges.txt."""
+        """A tokenizer.json, or a directory holding one or GPT-2's vocab.json + merges.txt, or a
+        pickled tiktoken Encoding (nanochat's tokenizer.pkl: `jaxgpt.data.tiktoken_pickle`)."""
         path = Path(path)
+        if path.suffix == ".pkl":
+            from jaxgpt.data.tiktoken_pickle import from_encoding, read_encoding
+
+            return cls(from_encoding(read_encoding(path), BYTE_DECODER), kind)
         if path.is_dir() and not (path / "tokenizer.json").is_file() and has_vocab_and_merges(path):
             return cls(_byte_level_bpe(path / VOCAB_FILE, path / MERGES_FILE), kind)
         if path.is_dir():

@@ -171,10 +171,10 @@ class Decoder(nn.Module):
         place = None if cache is None else CachePlace(cache["index"], None if fresh else floors_BT,
                                                       cache.get("slot_positions") if ring is None else ring["slot_positions"])
         carry, kv = self._blocks(x_BTC, rope, kv, place, shared, table)
-        x_BTC = carry["x"]
+        x_BTC = carry.x
         if cfg.backout:
             backout = self.param("backout_lambda", nn.initializers.constant(0.2), (1,), jnp.float32)
-            x_BTC = (x_BTC - backout[0] * carry["backout"]).astype(x_BTC.dtype)
+            x_BTC = (x_BTC - backout[0] * carry.backout).astype(x_BTC.dtype)
 
         hidden_BTC = make_norm(cfg, kernels, "final_norm")(x_BTC)
         m = cfg.width_multiplier()  # muP's output multiplier 1 / m, on what the head reads (before any softcap)

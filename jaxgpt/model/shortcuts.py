@@ -82,16 +82,20 @@ def window_plan(cfg: ModelConfig) -> np.ndarray:
     return np.array(cfg.block_windows(), np.int32)
 
 
-def first_carry(cfg: ModelConfig, x_BTC: jax.Array) -> dict[str, jax.Array]:
-    """What the stack carries from layer to layer: the residual stream "x"; under model.unet_skips
-    the skip buffer "skips" [n_layers // 2 + 1, B, T, C]; under model.backout the stream after
-    block n_layers // 2, "backout" (zeros until then)."""
-    carry = {"x": x_BTC}
-    if cfg.unet_skips:
-        carry["skips"] = jnp.zeros((cfg.n_layers // 2 + 1, *x_BTC.shape), x_BTC.dtype)
-    if cfg.backout:
-        carry["backout"] = jnp.zeros_like(x_BTC)
-    return carry
+class Carry(NamedTuple):
+    """What the stack carries from layer to layer: the residual stream `x`; under
+    model.unet_skips the skip buffer `skips` [n_layers // 2 + 1, B, T, C]; under model.backout the
+    stream after block n_layers // 2, `backout` (zeros until then). In this order, so that a
+    stack without the backout carries (x, skips) as it always has (the same program)."""
+
+    x: jax.Array
+    skips: jax.Array | None = None
+    backout: jax.Array | None = None
+
+
+def first_carry(cfg: ModelConfig, x_BTC: jax.Array) -> Carry:
+    return Carry(x_BTC, jnp.zeros((cfg.n_layers // 2 + 1, *x_BTC.shape), x_BTC.dtype) if cfg.unet_skips else None,
+                 jnp.zeros_like(x_BTC) if cfg.backout else None)
 
 
 def layer_step(cfg: ModelConfig, kernels: Kernels) -> Callable[..., Any]:
@@ -99,10 +103,10 @@ def layer_step(cfg: ModelConfig, kernels: Kernels) -> Callable[..., Any]:
     carry is `first_carry`'s; `row` is this layer's `layer_table` entries. A scan's body and the
     unscanned loop alike."""
 
-    def step(block, carry, rope, kv, place, shared: Shared, row: dict[str, jax.Array]):
-        x_BTC, carry = carry["x"], dict(carry)
+    def step(block, carry: Carry, rope, kv, place, shared: Shared, row: dict[str, jax.Array]):
+        x_BTC = carry.x
         if cfg.unet_skips:
-            taken_BTC = jax.lax.dynamic_index_in_dim(carry["skips"], row["skip_from"], keepdims=False)
+            taken_BTC = jax.lax.dynamic_index_in_dim(carry.skips, row["skip_from"], keepdims=False)
             x_BTC = mixed(kernels, cfg, x_BTC, taken_BTC, jnp.float32(1.0), row["skip_weight"])
         values = None
         if cfg.value_embeds:
@@ -110,11 +114,11 @@ def layer_step(cfg: ModelConfig, kernels: Kernels) -> Callable[..., Any]:
         if "cache_row" in row:  # a long-short model's caches: this block's row in its kind's stack
             kv = kv._replace(row=row["cache_row"])
         x_BTC, kv = block(x_BTC, rope, kv, place, shared.x0_BTC, values, shared.segment_ids, row.get("window"))
-        carry["x"] = x_BTC
+        carry = carry._replace(x=x_BTC)
         if cfg.unet_skips:
-            carry["skips"] = jax.lax.dynamic_update_index_in_dim(carry["skips"], x_BTC, row["skip_to"], 0)
+            carry = carry._replace(skips=jax.lax.dynamic_update_index_in_dim(carry.skips, x_BTC, row["skip_to"], 0))
         if cfg.backout:
-            carry["backout"] = jnp.where(row["backout_from"], x_BTC, carry["backout"])
+            carry = carry._replace(backout=jnp.where(row["backout_from"], x_BTC, carry.backout))
         return carry, kv
 
     return step

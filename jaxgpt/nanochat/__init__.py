@@ -3,10 +3,10 @@ tokenizer and checkpoint files.
 
     weights.py      nanochat's GPTConfig to a ModelConfig, its state dict to params and back (numpy)
     training.py     its optimizer and schedules as [train] overrides
-    tokenizer.py    its tokenizer.pkl as a jaxgpt Tokenizer (the same ids)
     checkpoints.py  its model_NNNNNN.pt and meta_NNNNNN.json read and written (PyTorch, imported there alone)
 
-May import the foundation, `model` and `data`; a run directory made from a nanochat checkpoint,
+May import the foundation, `model` and `data` (whose `Tokenizer.load` reads its tokenizer.pkl:
+`jaxgpt/data/tiktoken_pickle.py`); a run directory made from a nanochat checkpoint,
 and one written back, is `jaxgpt.train.imported`'s. docs/nanochat.md maps every part.
 """
 

@@ -23,7 +23,6 @@ from jaxgpt.errors import UserError
 from jaxgpt.hf.importer import import_hf, tokenizer_source
 from jaxgpt.nanochat import TRAIN_OVERRIDES, model_config, params_from_state, state_from_params as nanochat_state
 from jaxgpt.nanochat.checkpoints import read_checkpoint, write_checkpoint
-from jaxgpt.nanochat.tokenizer import load_tokenizer
 from jaxgpt.nanochat.weights import CONFIG_KEYS, refusal
 from jaxgpt.runs.rundir import RunDir, write_atomic
 from jaxgpt.train.checkpoint import Checkpointer, load_step
@@ -75,7 +74,7 @@ def import_nanochat_run(checkpoint_dir: str | Path, out_dir: str | Path, step: i
     params = params_from_state(state_dict, model)
     pickle_path = (Path(tokenizer_dir) if tokenizer_dir is not None
                    else checkpoint_dir.resolve().parents[1] / "tokenizer") / "tokenizer.pkl"
-    tokenizer = load_tokenizer(pickle_path)
+    tokenizer = Tokenizer.load(pickle_path)
     if tokenizer.vocab_size != model.vocab_size:
         raise UserError(f"the tokenizer at {pickle_path} holds {tokenizer.vocab_size} tokens, the model "
                         f"{model.vocab_size}: they are not one model's")

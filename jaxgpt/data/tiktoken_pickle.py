@@ -1,6 +1,7 @@
-"""nanochat's tokenizer (its `tokenizer.pkl`: a pickled tiktoken Encoding, GPT-4's style of split
-with its own pattern, `<|bos|>` and the chat tokens as specials) as a jaxgpt `Tokenizer`: the same
-ids for every text, stored as a Hugging Face tokenizer.json like every tokenizer of jaxgpt's.
+"""A pickled tiktoken Encoding (nanochat's `tokenizer.pkl`: GPT-4's style of split with its own
+pattern, `<|bos|>` and the chat tokens as specials) as a Hugging Face tokenizer: the same ids for
+every text, so that `data.tokenizer` may name one and a run stores it as tokenizer.json like
+every tokenizer of jaxgpt's (`Tokenizer.load`).
 
 The pickle is read by an unpickler that builds a tiktoken Encoding and nothing else, so a file
 that is not one is refused before any of its code could run.
@@ -16,10 +17,7 @@ import tiktoken
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from jaxgpt.data.tokenizer import BYTE_DECODER, FILE, Tokenizer
 from jaxgpt.errors import UserError
-
-BOS = "<|bos|>"  # nanochat opens every document with it
 
 
 class _EncodingOnly(pickle.Unpickler):
@@ -64,13 +62,14 @@ def _merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
     return merges
 
 
-def from_encoding(encoding: tiktoken.Encoding) -> Tokenizer:
-    """A jaxgpt Tokenizer that gives the Encoding's ids: byte-level BPE with its merges, its split
-    pattern, its special tokens at their ids."""
+def from_encoding(encoding: tiktoken.Encoding, byte_decoder: dict[str, int]) -> HFTokenizer:
+    """A Hugging Face tokenizer that gives the Encoding's ids: byte-level BPE with its merges
+    (spelt as GPT-2's `byte_decoder` spells bytes), its split pattern, its special tokens at their
+    ids."""
     ranks = encoding._mergeable_ranks
     if sorted(ranks.values()) != list(range(len(ranks))):
         raise UserError("nanochat's tokenizer ranks are not 0 .. n - 1: not a tokenizer jaxgpt can store")
-    as_text = {byte: char for char, byte in BYTE_DECODER.items()}
+    as_text = {byte: char for char, byte in byte_decoder.items()}
     spell = lambda token: "".join(as_text[b] for b in token)  # noqa: E731
     vocab = {spell(token): rank for token, rank in ranks.items()}
     merges = [(spell(a), spell(b)) for a, b in _merges(ranks)]
@@ -83,9 +82,4 @@ def from_encoding(encoding: tiktoken.Encoding) -> Tokenizer:
     if [i for _, i in specials] != list(range(len(ranks), len(ranks) + len(specials))):
         raise UserError("nanochat's special tokens do not follow its merges' ids: not a tokenizer jaxgpt can store")
     hf.add_special_tokens([AddedToken(name, special=True, normalized=False) for name, _ in specials])
-    return Tokenizer(hf, FILE)
-
-
-def load_tokenizer(path: str | Path) -> Tokenizer:
-    """nanochat's tokenizer.pkl as a jaxgpt Tokenizer."""
-    return from_encoding(read_encoding(path))
+    return hf
