@@ -40,6 +40,7 @@ from jaxgpt.model.layers import (
     compute_dtype,
     dense_init,
     make_norm,
+    ring_positions,
     rms_normalize,
     rope_tables,
     sinusoidal_positions,
@@ -147,7 +148,7 @@ class Decoder(nn.Module):
         if cfg.position == "rope":
             rope = rope_tables(positions_BT, cfg.head_size, cfg.rope_scale, cfg.rope_base, cfg.rope_truncated)
         if cfg.smear:
-            x_BTC = self._smeared(embed, x_BTC, token_ids_BT, positions_BT, cache)
+            x_BTC = self._smeared(embed, x_BTC, positions_BT, cache)
         x_BTC = nn.Dropout(cfg.dropout)(x_BTC, deterministic=self.deterministic).astype(dtype)
         chex.assert_shape(x_BTC, (B, T, C))
 
@@ -219,7 +220,7 @@ class Decoder(nn.Module):
                 new_cache["tokens"] = write_tokens(cache["tokens"], token_ids_BT, cache["index"], ring=False)
         return logits_BTV, new_cache
 
-    def _smeared(self, embed, x_BTC, token_ids_BT, positions_BT, cache):
+    def _smeared(self, embed, x_BTC, positions_BT, cache):
         """model.smear: each position plus the previous one's embedding times lambda * sigmoid of
         a gate read from its own first 24 channels; a pass against a cache reads the token before
         its first from the cache. Where a position is 0 (a sequence's or a document's first) the
@@ -270,10 +271,9 @@ def write_tokens(tokens_BS: jax.Array, new_BT: jax.Array, index_B: jax.Array, ri
     if not ring:
         return jax.vmap(lambda row, new, at: jax.lax.dynamic_update_slice(row, new, (at,)))(
             tokens_BS, new_BT.astype(tokens_BS.dtype), index_B)
-    kept = min(T, S)
-    slots_BK = (index_B[:, None] + (T - kept) + jnp.arange(kept)) % S
-    return jax.vmap(lambda row, slots, new: row.at[slots].set(new))(tokens_BS, slots_BK,
-                                                                   new_BT[:, T - kept:].astype(tokens_BS.dtype))
+    slots_BK = ring_positions(index_B, T, S) % S
+    return jax.vmap(lambda row, slots, new: row.at[slots].set(new))(
+        tokens_BS, slots_BK, new_BT[:, T - slots_BK.shape[1]:].astype(tokens_BS.dtype))
 
 
 def previous_tokens(cache: Cache, last_B: jax.Array) -> jax.Array:

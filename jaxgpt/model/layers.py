@@ -352,14 +352,20 @@ def write_kv(cache: KV, new: KV, index_B: jax.Array) -> KV:
     return tuple(jax.vmap(write, in_axes=(1, 1, 0), out_axes=1)(c, n, index_B) for c, n in zip(cache, new))
 
 
+def ring_positions(index_B: jax.Array, T: int, R: int) -> jax.Array:
+    """[B, min(T, R)]: the positions of T new tokens from each row's index that a ring of R slots
+    keeps (the last R), position p in slot p mod R."""
+    kept = min(T, R)
+    return index_B[:, None] + (T - kept) + jnp.arange(kept)
+
+
 def write_ring(cache: KV, new: KV, index_B: jax.Array, slot_positions_BR: jax.Array) -> tuple[KV, jax.Array]:
     """Write each sequence's T new keys and values into every layer's ring of R slots, position p
     into slot p mod R (of more than R new ones, the last R), and note the positions the slots now
     hold: (cache, slot_positions [B, R])."""
     R, T = slot_positions_BR.shape[1], new[0].shape[2]
-    kept = min(T, R)
-    positions_BK = index_B[:, None] + (T - kept) + jnp.arange(kept)
-    slots_BK = positions_BK % R
+    positions_BK = ring_positions(index_B, T, R)
+    slots_BK, kept = positions_BK % R, positions_BK.shape[1]
 
     def write(buffer_LRKD, new_LKKD, slots_K):
         return buffer_LRKD.at[:, slots_K].set(new_LKKD[:, T - kept:].astype(buffer_LRKD.dtype))

@@ -31,6 +31,7 @@ import numpy as np
 
 from jaxgpt.config import ModelConfig
 from jaxgpt.errors import UserError
+from jaxgpt.model.shortcuts import value_table_plan
 
 Params = dict[str, Any]
 VOCAB_MULTIPLE = 64  # nanochat's GPT(pad_vocab_size_to=64)
@@ -85,14 +86,22 @@ def model_config(gpt_config: Mapping[str, Any], *, scan_layers: bool = True, sho
 HOW_IT_RUNS = ("scan_layers", "remat", "kernels", "dtype", "init_scheme", "init_std", "dropout", "zero_init")
 
 
+def gpt_config(cfg: ModelConfig) -> dict[str, Any]:
+    """nanochat's GPTConfig fields (meta.json's `model_config`) of `cfg`'s shape: `model_config`
+    read backwards. The window letters are each block's, or the config's own where they hold one
+    per layer at a context nanochat's S window covers whole (no window to read them from)."""
+    letters = "".join("S" if w else "L" for w in cfg.block_windows())
+    if not cfg.attention_window and len(cfg.window_pattern) == cfg.n_layers:
+        letters = cfg.window_pattern
+    return {"sequence_len": cfg.context_length, "vocab_size": cfg.vocab_size, "n_layer": cfg.n_layers,
+            "n_head": cfg.n_heads, "n_kv_head": cfg.kv_heads, "n_embd": cfg.d_model, "window_pattern": letters}
+
+
 def refusal(cfg: ModelConfig) -> str:
     """"" where nanochat's GPT holds `cfg`'s model, else what it cannot hold, naming the key."""
-    letters = "".join("S" if w else "L" for w in cfg.block_windows())
-    gpt = {"sequence_len": cfg.context_length, "vocab_size": cfg.vocab_size, "n_layer": cfg.n_layers,
-           "n_head": cfg.n_heads, "n_kv_head": cfg.kv_heads, "n_embd": cfg.d_model, "window_pattern": letters}
     if cfg.d_model < 24:
         return f"model.d_model = {cfg.d_model}: nanochat's smear reads 24 channels"
-    theirs = model_config(gpt, scan_layers=cfg.scan_layers)
+    theirs = model_config(gpt_config(cfg), scan_layers=cfg.scan_layers)
     for f in dataclasses.fields(ModelConfig):
         if f.name in HOW_IT_RUNS or f.name in ("attention_window", "window_pattern"):
             continue
@@ -113,7 +122,9 @@ def _flip_rotation(w_out_in: np.ndarray, heads: int) -> np.ndarray:
 
 
 def _value_layers(n_layer: int) -> list[int]:
-    return [i for i in range(n_layer) if i % 2 == (n_layer - 1) % 2]
+    """The layers nanochat gives a value table: every other one, the last always."""
+    _, feeds = value_table_plan(n_layer, n_layer, "alternating")
+    return [int(i) for i in np.flatnonzero(feeds)]
 
 
 def expected_keys(cfg: ModelConfig) -> set[str]:

@@ -28,22 +28,25 @@ import optax
 Hyper = tuple[Any, Any, Any, Any]  # lr, beta1, beta2, weight decay: numbers, or arrays that broadcast to the leaf
 
 
-def nanochat_hyper(path: tuple[Any, ...], hp: Any, width_scale: float) -> Hyper:
-    """A leaf's (peak, beta1, beta2, decay) in nanochat's table; `hp` the run's OptHParams."""
+def nanochat_hyper(path: tuple[Any, ...], group: str, hp: Any, width_scale: float) -> Hyper:
+    """A leaf's (peak, beta1, beta2, decay) in nanochat's table; `group` its `optim.lr_group`,
+    `hp` the run's OptHParams. nanochat splits two groups further: the value tables take half
+    the embeddings' peak, and the resid and x0 lambdas and the smear and backout differ from the
+    other scalars."""
     where = jax.tree_util.keystr(path)
-    if "lm_head" in where:
+    if group == "head":
         return hp.lr_head * width_scale, 0.8, 0.96, 0.01
-    if "token_embedding" in where or "position_embedding" in where:
+    if group == "embed":
+        if "value_embeds" in where:
+            return hp.lr_embed * width_scale * 0.5, 0.8, 0.995, 0.01
         return hp.lr_embed * width_scale, 0.8, 0.995, 0.001
-    if "value_embeds" in where:
-        return hp.lr_embed * width_scale * 0.5, 0.8, 0.995, 0.01
+    if group == "matrix":
+        return hp.lr, hp.beta1, hp.beta2, hp.weight_decay
     if "x0_mix" in where:  # [resid, x0] per block
         return (jnp.stack([hp.lr_scalar * 0.01, hp.lr_scalar * 1.0]), jnp.array([0.8, 0.96]), 0.95,
                 jnp.array([0.05, 0.0]))
     if "smear" in where or "backout" in where:
         return 0.2, 0.8, 0.95, 0.0
-    if jax.tree_util.keystr(path[-1:]) == "['kernel']":
-        return hp.lr, hp.beta1, hp.beta2, hp.weight_decay
     return hp.lr_scalar, 0.8, 0.95, 0.0
 
 

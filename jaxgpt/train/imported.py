@@ -23,7 +23,7 @@ from jaxgpt.errors import UserError
 from jaxgpt.hf.importer import import_hf, tokenizer_source
 from jaxgpt.nanochat import TRAIN_OVERRIDES, model_config, params_from_state, state_from_params as nanochat_state
 from jaxgpt.nanochat.checkpoints import read_checkpoint, write_checkpoint
-from jaxgpt.nanochat.weights import CONFIG_KEYS, refusal
+from jaxgpt.nanochat.weights import gpt_config, refusal
 from jaxgpt.runs.rundir import RunDir, write_atomic
 from jaxgpt.train.checkpoint import Checkpointer, load_step
 from jaxgpt.train.step import state_from_params
@@ -106,21 +106,11 @@ def export_nanochat_run(run_dir: str | Path, out_dir: str | Path, step: int | No
         raise UserError(f"{run_dir} has no nanochat tokenizer ({files.nanochat_tokenizer.name}): only a run "
                         "imported from nanochat (jaxgpt import-nanochat) carries one nanochat can read")
     model, params, at = load_step(run_dir, step)
-    gpt_config = {key: value for key, value in _gpt_config(model).items() if key in CONFIG_KEYS}
     folder = Path(out_dir) / "base_checkpoints" / f"d{model.n_layers}"
     if (folder / f"model_{at:06d}.pt").exists():
         raise UserError(f"{folder} already holds step {at}; choose another --out")
-    write_checkpoint(folder, at, nanochat_state(params, model), {"step": at, "model_config": gpt_config,
+    write_checkpoint(folder, at, nanochat_state(params, model), {"step": at, "model_config": gpt_config(model),
                                                                     "exported_from": str(Path(run_dir).absolute())})
     (Path(out_dir) / "tokenizer").mkdir(parents=True, exist_ok=True)
     shutil.copyfile(files.nanochat_tokenizer, Path(out_dir) / "tokenizer" / "tokenizer.pkl")
     return folder
-
-
-def _gpt_config(model: Any) -> dict[str, Any]:
-    """nanochat's GPTConfig fields for a model `refusal` accepts."""
-    letters = "".join("S" if w else "L" for w in model.block_windows())
-    if not model.attention_window and len(model.window_pattern) == model.n_layers:
-        letters = model.window_pattern  # nanochat's letters at a context its S window covers whole
-    return {"sequence_len": model.context_length, "vocab_size": model.vocab_size, "n_layer": model.n_layers,
-            "n_head": model.n_heads, "n_kv_head": model.kv_heads, "n_embd": model.d_model, "window_pattern": letters}

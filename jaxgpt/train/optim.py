@@ -15,7 +15,6 @@ the optimiser one averaged gradient per step.
 
 from __future__ import annotations
 
-import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -250,7 +249,8 @@ def make_optimizer(cfg: TrainConfig, hparams: OptHParams | None = None,
     if cfg.adam_groups == "nanochat":
         width = _width_scale(cfg, model)
         update: optax.GradientTransformation = grouped_adamw(
-            lambda count: schedule(count) / hp.lr, functools.partial(nanochat_hyper, hp=hp, width_scale=width),
+            lambda count: schedule(count) / hp.lr,
+            lambda path: nanochat_hyper(path, lr_group(path), hp, width),
             cfg.adam_eps)
     else:
         update = _group_scaled(optax.adamw(
