@@ -54,7 +54,7 @@ ROLES = (IDENTITY, RESUME, FORCE, INIT_FROM, SWEEP)
 
 REMAT_POLICIES = ("none", "dots", "full")
 PARALLEL_MODES = ("auto", "single", "sharded", "pmap")
-ALIGNMENTS = ("none", "document")
+ALIGNMENTS = ("none", "document", "bestfit")
 
 
 def entry(default: Any, *roles: str, bool_names: tuple[str, str] | None = None) -> Any:
@@ -270,7 +270,9 @@ class DataConfig:
     # Packed rows: a token attends only within its document, its position counted from the
     # document's start; the end-of-text token opens the document after it (docs/data.md).
     document_mask: bool = entry(False, IDENTITY, FORCE, INIT_FROM)
-    align: str = entry("none", IDENTITY, FORCE, INIT_FROM)  # "document": every train row starts at a document's start
+    # "document": every train row starts at a document's start; "bestfit": nanochat's rows, documents
+    # packed best-fit from their start, train and val (docs/data.md)
+    align: str = entry("none", IDENTITY, FORCE, INIT_FROM)
 
     def __post_init__(self) -> None:
         _finite("data", self)

@@ -56,6 +56,7 @@ def main() -> None:
     print(json.dumps({"check": "greedy decoding", **greedy(model, gpt, state, args.short)}))
     print(json.dumps({"check": "two optimizer steps", **optimizer_steps(model, gpt, args.short)}))
     print(json.dumps({"check": "checkpoints through nanochat's own checkpoint_manager", **checkpoints()}))
+    print(json.dumps({"check": "best-fit rows against nanochat's dataloader", **rows()}))
 
 
 def greedy(model, gpt: dict, state: dict, short: int) -> dict:
@@ -191,6 +192,68 @@ def checkpoints() -> dict:
             "import_max_abs_diff": float(np.abs(ours - want).max()),
             "export_max_abs_diff": float(np.abs(round_trip - want).max()), "max_abs_logit": float(np.abs(want).max()),
             "nanochat_reads_the_tokenizer": tokenizer.get_vocab_size() == encoding.n_vocab}
+
+
+def rows(B: int = 8, T: int = 64, batches: int = 400) -> dict:
+    """Three Parquet shards laid out as nanochat's (row groups of 256 documents; the train files
+    hold multiples of 128, the val file does not) and a tokenizer.pkl: nanochat's own BOS best-fit dataloader against jaxgpt's
+    data.align = "bestfit" over the same folder, row for row, train (past the end of an epoch) and
+    val."""
+    import random
+    import tempfile
+    import types
+    from pathlib import Path
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    sys.modules.setdefault("rustbpe", types.ModuleType("rustbpe"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    import nanochat.dataset
+    from nanochat.dataloader import tokenizing_distributed_data_loader_bos_bestfit
+    from nanochat_files import train_encoding
+
+    from jaxgpt.config import load_config
+    from jaxgpt.data.batches import train_batch, val_batch
+    from jaxgpt.data.from_config import prepare_data
+
+    rng = random.Random(3)
+    words = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8").split()
+    docs = [" ".join(rng.choice(words) for _ in range(1 + int(rng.paretovariate(1.2) * 3))) for _ in range(2600)]
+    encoding = train_encoding(" ".join(docs[:300]), 100)
+    bos = encoding.encode_single_token("<|bos|>")
+
+    class Encoder:  # nanochat's tokenizer interface, as its loader calls it
+        def get_bos_token_id(self):
+            return bos
+
+        def encode(self, texts, prepend, num_threads):
+            return [[prepend] + ids for ids in encoding.encode_ordinary_batch(texts)]
+
+    with tempfile.TemporaryDirectory() as tmp:
+        shards = Path(tmp) / "base_data"
+        shards.mkdir()
+        for i, part in enumerate((docs[:1024], docs[1024:1920], docs[1920:])):
+            pq.write_table(pa.table({"text": part}), shards / f"shard_{i:05d}.parquet", row_group_size=256)
+        (Path(tmp) / "tokenizer.pkl").write_bytes(__import__("pickle").dumps(encoding))
+        nanochat.dataset.DATA_DIR = str(shards)
+        cfg = load_config(None, [f"data.source={shards}", f"data.tokenizer={Path(tmp) / 'tokenizer.pkl'}",
+                                 "data.align=bestfit", f"model.vocab_size={encoding.n_vocab}",
+                                 f"model.context_length={T}", f"train.batch_size={B}"])
+        data = prepare_data(cfg, cache_dir=Path(tmp) / "cache", progress=False)
+        result = {}
+        for split, ours in (("train", train_batch), ("val", val_batch)):
+            loader = tokenizing_distributed_data_loader_bos_bestfit(Encoder(), B, T, split, device="cpu")
+            same = 0
+            for index in range(batches):
+                inputs, targets = next(loader)
+                want = np.concatenate([inputs.numpy(), targets.numpy()[:, -1:]], axis=1)
+                if not np.array_equal(ours(cfg, data, index, 0, whole=True), want):
+                    break
+                same += 1
+            result[f"{split}_batches_equal"] = f"{same} of {batches}"
+        result["train_tokens_read"] = batches * B * (T + 1)
+        result["train_split_tokens"] = len(data.tokens.train)
+    return result
 
 
 if __name__ == "__main__":

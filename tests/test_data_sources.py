@@ -47,6 +47,7 @@ def test_a_single_file_holds_out_its_last_fraction_read_in_pieces(tmp_path, monk
     train, val = [d for d in docs if not d.val], [d for d in docs if d.val]
     assert "".join(d.text for d in train) == raw[:cut].decode() and "".join(d.text for d in val) == raw[cut:].decode()
     assert len(train) > 5 and [d.ends for d in train] == [False] * (len(train) - 1) + [True]
+    assert [d.starts for d in train] == [True] + [False] * (len(train) - 1) and val[0].starts
     assert val[-1].ends and all(d.size() == len(d.text.encode()) for d in docs)
     # each piece ends where byte-level BPE gives the same ids as the whole text
     bpe = build_tokenizer("bpe", [text], 300)

@@ -43,7 +43,7 @@ def test_document_starts_span_shards_and_aligned_rows_start_at_them():
 
 
 class _Tokenizer:
-    eot_id = EOT
+    eot_id = document_token = EOT
 
 
 def _documents(cfg: RunConfig) -> RunData:
@@ -105,7 +105,7 @@ def test_scoring_reads_a_pair_from_its_last_document():
 
 
 def test_a_bad_alignment_is_one_line():
-    with pytest.raises(ConfigError, match=r"data.align = 'rows' is not one of none, document"):
+    with pytest.raises(ConfigError, match=r"data.align = 'rows' is not one of none, document, bestfit"):
         load_config(None, ["data.align=rows"])
 
 

@@ -25,7 +25,7 @@ def bpe():
 @settings(max_examples=300, deadline=None)
 @given(text=st.one_of(st.text(), st.text(alphabet=list("ab Z\n\t'sdl1é🙂.<|>endoftx"), max_size=300)))
 def test_tiktoken_gives_the_tokenizers_ids(bpe, text) -> None:
-    fast, own = Encoder(bpe.to_json(), TIKTOKEN, None), Encoder(bpe.to_json(), HF, None)
+    fast, own = Encoder(bpe.to_json(), TIKTOKEN, None, None), Encoder(bpe.to_json(), HF, None, None)
     text = text + EOT + text  # the end-of-text token's text is the token, as in Hugging Face's
     assert fast.ids([text]) == own.ids([text]) == [bpe.encode(text).tolist()]
 
@@ -34,43 +34,47 @@ def test_only_byte_level_bpe_has_a_tiktoken_form(bpe) -> None:
     assert tiktoken_encoding(bpe.to_json()) is not None
     assert tiktoken_encoding(build_tokenizer("char", CORPUS, 400).to_json()) is None
     with pytest.raises(ValueError, match="no tiktoken form"):
-        Encoder(build_tokenizer("char", CORPUS, 400).to_json(), TIKTOKEN, None)
+        Encoder(build_tokenizer("char", CORPUS, 400).to_json(), TIKTOKEN, None, None)
 
 
-def test_encode_appends_end_of_text_to_the_documents_that_end(bpe) -> None:
-    encoder = Encoder(bpe.to_json(), TIKTOKEN, bpe.eot_id)
+@pytest.mark.parametrize("opens", [False, True])
+def test_encode_frames_the_documents_that_start_and_end(bpe, opens) -> None:
+    """End-of-text after each document that ends, or (a tokenizer with `<|bos|>`, as nanochat's)
+    begin-of-text before each that starts: a long text's pieces get one of either, in its place."""
+    token = bpe.eot_id
+    encoder = Encoder(bpe.to_json(), TIKTOKEN, token if opens else None, None if opens else token)
     texts = ["one piece ", "and its end.", "another"]
-    ids, lengths = encoder.encode(texts, [False, True, True], np.dtype(np.uint16))
-    eot = bpe.eot_id
-    expected = [*bpe.encode(texts[0]).tolist(), *bpe.encode(texts[1]).tolist(), eot,
-                *bpe.encode(texts[2]).tolist(), eot]
+    ids, lengths = encoder.encode(texts, [True, False, True], [False, True, True], np.dtype(np.uint16))
+    one, two, three = (bpe.encode(text).tolist() for text in texts)
+    expected = [token, *one, *two, token, *three] if opens else [*one, *two, token, *three, token]
     assert ids.dtype == np.uint16 and ids.tolist() == expected and int(lengths.sum()) == len(expected)
-    assert lengths[0] == len(bpe.encode(texts[0]))
+    assert lengths.tolist() == ([len(one) + 1, len(two), len(three) + 1] if opens
+                                else [len(one), len(two) + 1, len(three) + 1])
 
 
 @pytest.mark.parametrize("kind", [TIKTOKEN, HF])
 def test_workers_return_this_process_ids_in_order(bpe, kind) -> None:
     tasks = [([f"task {t}, document {d}: " + CORPUS[(t + d) % len(CORPUS)] for d in range(t % 5 + 1)],
-              [d % 2 == 0 for d in range(t % 5 + 1)]) for t in range(40)]
-    local = Encoder(bpe.to_json(), kind, bpe.eot_id)
-    workers = Workers(2, bpe.to_json(), kind, bpe.eot_id, np.dtype(np.uint16), depth=2)
+              [d % 3 == 0 for d in range(t % 5 + 1)], [d % 2 == 0 for d in range(t % 5 + 1)]) for t in range(40)]
+    local = Encoder(bpe.to_json(), kind, 1, bpe.eot_id)
+    workers = Workers(2, bpe.to_json(), kind, 1, bpe.eot_id, np.dtype(np.uint16), depth=2)
     try:
         results = list(workers.map(iter(tasks)))
     finally:
         workers.close()
     assert len(results) == len(tasks)
-    for (texts, ends), (ids, lengths) in zip(tasks, results):
-        want_ids, want_lengths = local.encode(texts, ends, np.dtype(np.uint16))
+    for task, (ids, lengths) in zip(tasks, results):
+        want_ids, want_lengths = local.encode(*task, np.dtype(np.uint16))
         np.testing.assert_array_equal(ids, want_ids)
         np.testing.assert_array_equal(lengths, want_lengths)
 
 
 def test_a_worker_error_is_raised_here(bpe) -> None:
     char = build_tokenizer("char", ["ab"], 10)
-    workers = Workers(1, char.to_json(), HF, None, np.dtype(np.uint16))
+    workers = Workers(1, char.to_json(), HF, None, None, np.dtype(np.uint16))
     try:
         with pytest.raises(ValueError):
-            list(workers.map(iter([(["abc"], [True])])))  # "c" is not in the vocabulary
+            list(workers.map(iter([(["abc"], [True], [True])])))  # "c" is not in the vocabulary
     finally:
         workers.close()
 
@@ -83,7 +87,7 @@ def test_a_worker_killed_while_it_sends_a_result_is_a_worker_death(bpe) -> None:
 
     from jaxgpt.errors import Failure
 
-    workers = Workers(1, bpe.to_json(), HF, bpe.eot_id, np.dtype(np.uint16))
+    workers = Workers(1, bpe.to_json(), HF, None, bpe.eot_id, np.dtype(np.uint16))
     # In the worker's place, a process that announces 1,000 bytes, writes 10 and is killed.
     dies_mid_message = ("import os, signal, struct, sys; out = sys.stdout.buffer; "
                         "out.write(struct.pack('<I', 1000) + b'x' * 10); out.flush(); "

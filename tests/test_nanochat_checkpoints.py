@@ -14,6 +14,7 @@ from speedrun_references import NanochatGPT
 from test_speedrun_parity import randomised
 
 from jaxgpt.cli.main import main
+from jaxgpt.config import load_config
 from jaxgpt.data.tokenizer import Tokenizer, build_tokenizer
 from jaxgpt.errors import UserError
 from jaxgpt.evaluation.generate import generate
@@ -86,8 +87,9 @@ def test_an_imported_run_trains_on_then_exports_what_it_computes(nanochat_base, 
     base, folder, _, encoding, gpt = nanochat_base
     run, out = tmp_path / "run", tmp_path / "exported"
     import_nanochat_run(folder, run)
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text(TEXT, encoding="utf-8")
+    corpus = tmp_path / "corpus.jsonl"  # documents of many lengths: nanochat's best-fit rows, each opening with BOS
+    corpus.write_text("".join(json.dumps({"text": TEXT[:n]}) + "\n" for n in range(20, 800, 9)), encoding="utf-8")
+    assert load_config(run / "config.toml").data.align == "bestfit"
     assert main(["train", "--config", str(run / "config.toml"), "--out", str(run), "--resume", "--force",
                  "--data", str(corpus), "--steps", "202",
                  "--no-progress", "--set", "train.batch_size=8", "--set", "train.eval_every=1000",

@@ -96,7 +96,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     tokens = data.tokens
     print(json.dumps({"store": str(tokens.folder), "train_tokens": len(tokens.train), "val_tokens": len(tokens.val),
                       "shards": len(tokens.train.shards) + len(tokens.val.shards), "val_bytes": tokens.val_bytes,
-                      "tokenizer_vocab": data.tokenizer.vocab_size, "eot_id": data.tokenizer.eot_id,
+                      "tokenizer_vocab": data.tokenizer.vocab_size, "eot_id": data.tokenizer.eot_id, "bos_id": data.tokenizer.bos_id,
                       "data_sha256": tokens.fingerprint, "seconds": round(time.perf_counter() - started, 2)}))
     return 0
 
@@ -238,7 +238,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                                   top_k=args.top_k or None, top_p=args.top_p, seed=args.seed,
                                   stop_token=stop_token, vocab_limit=tokenizer.vocab_size,
                                   speculative=args.speculative, stats=stats,
-                                  document_token=tokenizer.eot_id if documents else None):
+                                  document_token=tokenizer.document_token if documents else None):
         if tokens[0] < 0:
             break
         emitted.append(int(tokens[0]))

@@ -2,7 +2,8 @@
 
 A batch is a pure function of (seed, stream, step): offsets drawn uniformly over the split (with
 data.align = "document", over its document starts), so resuming needs only the step, and each
-process reads only its rows of the global batch. A window may run across a document's end (the
+process reads only its rows of the global batch. data.align = "bestfit" takes nanochat's rows
+instead (`bestfit.py`), in order, train and val alike: a function of the step alone. A window may run across a document's end (the
 end-of-text token marks it) and from one shard into the next. With data.document_mask each row
 carries its segment ids after its tokens (`batch_width`): the end-of-text token opens a segment.
 """
@@ -17,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from jaxgpt.config import ModelConfig, RunConfig
+from jaxgpt.data.bestfit import RowPlan
 from jaxgpt.data.store import Tokens, TokenSplits
 from jaxgpt.data.tokenizer import Tokenizer
 from jaxgpt.errors import UserError
@@ -93,8 +95,9 @@ def with_segments(rows: np.ndarray, context_length: int, eot_id: int) -> np.ndar
 
 
 def document_starts(tokens: np.ndarray | Tokens, eot_id: int) -> np.ndarray:
-    """int64 offsets of the split's documents: 0 and every end-of-text token (it opens the next
-    one), read shard by shard once and kept with the split."""
+    """int64 offsets of the split's documents: 0 and every `eot_id`, the document token (a
+    `<|bos|>` opens its document; an end-of-text token opens the next one), read shard by shard
+    once and kept with the split."""
     kept = tokens.document_starts if isinstance(tokens, Tokens) else None
     if kept is not None and kept[0] == eot_id:
         return kept[1]
@@ -121,6 +124,8 @@ def _checked(batch: np.ndarray, vocab_size: int, split: str) -> np.ndarray:
 def train_batch(cfg: RunConfig, data: RunData, step: int, seed: int, *, whole: bool = False) -> np.ndarray:
     """This process's rows of the train batch of `step` for a run with train.seed = `seed` (with
     `whole`, every row: a sweep's processes hold whole members, not row blocks of each)."""
+    if cfg.data.align == "bestfit":
+        return _bestfit_batch(cfg, data, "train", step, whole)
     starts = None
     if cfg.data.align == "document":
         starts = document_starts(data.tokens.train, document_token(data.tokenizer))
@@ -131,18 +136,40 @@ def train_batch(cfg: RunConfig, data: RunData, step: int, seed: int, *, whole: b
 
 def val_batch(cfg: RunConfig, data: RunData, index: int, seed: int, *, whole: bool = False) -> np.ndarray:
     """This process's rows of val batch `index` (the same batches at every eval); `whole`: as in
-    `train_batch`. Val rows are never aligned: every run of a seed scores the same val tokens."""
+    `train_batch`. Val rows are aligned only by "bestfit", nanochat's rows, which nanochat
+    evaluates on: every other run of a seed scores the same val tokens."""
+    if cfg.data.align == "bestfit":
+        return _bestfit_batch(cfg, data, "val", index, whole)
     batch = get_batch(data.tokens.val, seed=seed, step=index, stream=VAL_STREAM, batch_size=cfg.train.batch_size,
                       window=window_length(cfg.model), split="val", **_process_slice(whole))
     return _with_documents(cfg, data, _checked(batch, cfg.model.vocab_size, "val"))
 
 
+def row_plan(tokens: np.ndarray | Tokens, opener: int, window: int) -> RowPlan:
+    """The split's best-fit plan of rows of `window` tokens, made once and kept with the split."""
+    plans = tokens.row_plans if isinstance(tokens, Tokens) else {}
+    if (opener, window) not in plans:
+        plans[opener, window] = RowPlan(document_starts(tokens, opener), len(tokens), window)
+    return plans[opener, window]
+
+
+def _bestfit_batch(cfg: RunConfig, data: RunData, split: str, index: int, whole: bool) -> np.ndarray:
+    """This process's rows of best-fit batch `index`: rows index * batch_size onwards, in order."""
+    tokens = data.tokens.train if split == "train" else data.tokens.val
+    plan = row_plan(tokens, document_token(data.tokenizer), window_length(cfg.model))
+    where = _process_slice(whole)
+    per_process = cfg.train.batch_size // where["process_count"]
+    first = index * cfg.train.batch_size + where["process_index"] * per_process
+    batch = plan.rows(tokens, first, per_process)
+    return _with_documents(cfg, data, _checked(batch, cfg.model.vocab_size, split))
+
+
 def document_token(tokenizer: Tokenizer) -> int:
-    """The id that opens a document: the tokenizer's end-of-text token."""
-    if tokenizer.eot_id is None:
-        raise UserError("data.document_mask and data.align = \"document\" find documents by the end-of-text "
-                        "token, and the tokenizer has none")
-    return tokenizer.eot_id
+    """The id that opens a document (`Tokenizer.document_token`), or one line where there is none."""
+    if tokenizer.document_token is None:
+        raise UserError("data.document_mask and data.align find documents by the begin-of-text or end-of-text "
+                        "token, and the tokenizer has neither")
+    return tokenizer.document_token
 
 
 def _with_documents(cfg: RunConfig, data: RunData, batch: np.ndarray) -> np.ndarray:

@@ -20,6 +20,7 @@ class Document:
     text: str
     val: bool
     ends: bool = True  # an end-of-text token follows it: False for all but a long text's last piece
+    starts: bool = True  # a begin-of-text token opens it: False for all but a long text's first piece
     nbytes: int = -1  # its UTF-8 size where the source knows it without encoding (else -1)
 
     def size(self) -> int:

@@ -65,13 +65,14 @@ def tiktoken_encoding(tokenizer_json: str) -> Any | None:
 
 
 class Encoder:
-    """Encodes batches of documents to one id array with their lengths, appending `eot` after
-    each document that ends (a long text cut into pieces ends only at its last piece)."""
+    """Encodes batches of documents to one id array with their lengths, putting `bos` before
+    each document that starts and `eot` after each that ends (a long text cut into pieces starts
+    only at its first piece and ends only at its last); `Tokenizer.separators` gives the pair."""
 
-    def __init__(self, tokenizer_json: str, kind: str, eot: int | None) -> None:
+    def __init__(self, tokenizer_json: str, kind: str, bos: int | None, eot: int | None) -> None:
         from tokenizers import Tokenizer as HFTokenizer
 
-        self.kind, self.eot = kind, eot
+        self.kind, self.bos, self.eot = kind, bos, eot
         self._tiktoken = tiktoken_encoding(tokenizer_json) if kind == TIKTOKEN else None
         if kind == TIKTOKEN and self._tiktoken is None:
             raise ValueError("this tokenizer has no tiktoken form")
@@ -82,11 +83,16 @@ class Encoder:
             return [self._tiktoken.encode(text, allowed_special="all") for text in texts]
         return [encoding.ids for encoding in self._hf.encode_batch_fast(list(texts), add_special_tokens=False)]
 
-    def encode(self, texts: Sequence[str], ends: Sequence[bool], dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
-        """(ids of every text, each followed by `eot` where it ends, as one array; tokens per text)."""
+    def encode(self, texts: Sequence[str], starts: Sequence[bool], ends: Sequence[bool],
+               dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+        """(ids of every text, each after `bos` where it starts and before `eot` where it ends, as
+        one array; tokens per text)."""
         parts, lengths = [], np.empty(len(texts), np.int64)
+        head = [] if self.bos is None else [self.bos]
         tail = [] if self.eot is None else [self.eot]
-        for i, (ids, end) in enumerate(zip(self.ids(texts), ends)):
+        for i, (ids, start, end) in enumerate(zip(self.ids(texts), starts, ends)):
+            if start and head:
+                ids = head + ids
             if end:
                 ids = ids + tail
             parts.append(ids)
@@ -118,17 +124,18 @@ def _receive(stream: BinaryIO) -> Any:
 
 
 def serve(inp: BinaryIO, out: BinaryIO) -> None:
-    """A worker: the first message is (tokenizer_json, kind, eot, dtype), each next one a task
-    (texts, ends); every task's answer is ("ok", *encode()'s pair), or ("error", type, message)."""
-    tokenizer_json, kind, eot, dtype = _receive(inp)
-    encoder = Encoder(tokenizer_json, kind, eot)
+    """A worker: the first message is (tokenizer_json, kind, bos, eot, dtype), each next one a
+    task (texts, starts, ends); every task's answer is ("ok", *encode()'s pair), or ("error",
+    type, message)."""
+    tokenizer_json, kind, bos, eot, dtype = _receive(inp)
+    encoder = Encoder(tokenizer_json, kind, bos, eot)
     while True:
         try:
-            texts, ends = _receive(inp)
+            texts, starts, ends = _receive(inp)
         except EOFError:
             return
         try:
-            _send(out, ("ok", *encoder.encode(texts, ends, np.dtype(dtype))))
+            _send(out, ("ok", *encoder.encode(texts, starts, ends, np.dtype(dtype))))
         except Exception as err:  # reported to the parent, which raises it there
             _send(out, ("error", type(err).__name__, str(err)))
 
@@ -136,8 +143,8 @@ def serve(inp: BinaryIO, out: BinaryIO) -> None:
 class Workers:
     """N encoding processes; `map` encodes tasks in order, at most `depth` waiting per worker."""
 
-    def __init__(self, n: int, tokenizer_json: str, kind: str, eot: int | None, dtype: np.dtype,
-                 depth: int = 2) -> None:
+    def __init__(self, n: int, tokenizer_json: str, kind: str, bos: int | None, eot: int | None,
+                 dtype: np.dtype, depth: int = 2) -> None:
         # One thread each: N processes already use the cores (HF's encoder would start a pool per process).
         env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "RAYON_NUM_THREADS": "1"}
         self.procs = [subprocess.Popen([sys.executable, "-m", "jaxgpt.data.encoding"], stdin=subprocess.PIPE,
@@ -147,7 +154,7 @@ class Workers:
         self.feeders = [threading.Thread(target=self._feed, args=(proc, q), daemon=True)
                         for proc, q in zip(self.procs, self.queues)]
         for proc in self.procs:
-            _send(proc.stdin, (tokenizer_json, kind, eot, dtype.str))
+            _send(proc.stdin, (tokenizer_json, kind, bos, eot, dtype.str))
         for feeder in self.feeders:
             feeder.start()
 

@@ -67,7 +67,7 @@ def _check_tokenizer(tokenizer: Tokenizer, cfg: RunConfig) -> None:
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise UserError(f"the tokenizer has {tokenizer.vocab_size} tokens, more than "
                          f"model.vocab_size = {cfg.model.vocab_size}")
-    if cfg.data.document_mask or cfg.data.align == "document":
+    if cfg.data.document_mask or cfg.data.align != "none":
         document_token(tokenizer)
 
 
@@ -80,9 +80,9 @@ def _prepared(cfg: RunConfig, source: Source, own: Tokenizer | None, cache: Path
     large = is_large(source)
     tokenizer = own or source_tokenizer(data, source, cfg.model.vocab_size, digest, cache, announce=progress and large)
     _check_tokenizer(tokenizer, cfg)
-    if tokenizer.eot_id is None:
-        print("note: the tokenizer has no end-of-text token; documents follow each other with nothing "
-              "between them", file=sys.stderr)
+    if tokenizer.document_token is None:
+        print("note: the tokenizer has no begin-of-text or end-of-text token; documents follow each other with "
+              "nothing between them", file=sys.stderr)
     signals.check()  # before the store: a stop asked for during the tokenizer build ends here
     key = store_key(source.identity, digest, tokenizer, data.shard_tokens, data.val_fraction)
     folder = cache / "stores" / key

@@ -10,9 +10,11 @@ and `hf:NAME[:SPLIT]` (`hf_source.py`). In a folder, `.jsonl` / `.jsonl.gz` and 
 hold one document per row (`records.py`); every other file is one UTF-8 document.
 
 A text file of a folder is held out by a hash of its path, a row by a hash of its file's path and
-its index; a single text file holds out its last fraction, as nanoGPT does. Nothing holds more than a piece of a long text (about a megabyte) at a time: a
-long text is read in pieces cut where tokenization does not change (`tokenizer.safe_cut`), and
-an end-of-text token follows only its last piece (`Document.ends`).
+its index; a single text file holds out its last fraction, as nanoGPT does; a folder of nanochat's
+Parquet shards (`shard_NNNNN.parquet`, nothing else) holds out its last shard, as nanochat does. Nothing holds more than a piece of a long text (about a megabyte) at a time: a
+long text is read in pieces cut where tokenization does not change (`tokenizer.safe_cut`): a
+begin-of-text token opens only its first piece (`Document.starts`), an end-of-text token follows
+only its last (`Document.ends`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import codecs
 import glob
 import os
+import re
 import sys
 import sysconfig
 from collections.abc import Iterator
@@ -36,21 +39,28 @@ _STDLIB_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib
 PIECE_BYTES = 1 << 20  # a long text is read and encoded in pieces of about this size
 # A text with no place to cut safely (no line break for this long) is cut anyway, anywhere.
 FORCED_CUT_CHARS = 16 << 20
+# nanochat's pretraining shards: the last in sorted order is its validation split. A download in
+# progress leaves `.parquet.tmp` files, which are not yet shards.
+NANOCHAT_SHARD = re.compile(r"shard_\d+\.parquet")
 
 
 class Files(Source):
     """Files under `root`, in sorted order of their relative paths."""
 
     def __init__(self, root: Path, files: list[Path], val_fraction: float, text_field: str, label: str,
-                 identity: dict, skip_undecodable: bool = False) -> None:
+                 identity: dict, skip_undecodable: bool = False, last_file_val: bool = False) -> None:
         self.root, self.val_fraction, self.text_field = root, val_fraction, text_field
         self.names = sorted((p.relative_to(root).as_posix(), p) for p in files)
         self.identity, self.skip_undecodable = identity, skip_undecodable
         self._listing = self.listing()
         self.single = len(self.names) == 1 and record_suffix(self.names[0][0]) is None
+        self.val_file = self.names[-1][0] if last_file_val else None  # every row of it held out, no other
         text_files = [name for name, _ in self.names if record_suffix(name) is None]
         size = sum(entry[1] for entry in self._listing) / 1e6
-        if self.single:
+        if self.val_file is not None:
+            self.description = f"{label}: {len(self.names)} nanochat shards, {size:.1f} MB, the last held out"
+            self.held_out = {self.val_file}
+        elif self.single:
             self.description = f"{label}: {size:.1f} MB, the last {val_fraction:g} held out"
             self.held_out = set()
         else:
@@ -80,7 +90,9 @@ class Files(Source):
             if record_suffix(name) is not None:
                 for index, text in enumerate(record_rows(path, self.text_field)):
                     if text:
-                        yield Document(text, in_val_split(row_name(name, index), self.val_fraction))
+                        val = (name == self.val_file if self.val_file is not None
+                               else in_val_split(row_name(name, index), self.val_fraction))
+                        yield Document(text, val)
             else:
                 try:
                     yield from _text_pieces(path, val=name in self.held_out)
@@ -107,14 +119,17 @@ class NotUTF8(UserError):
 
 def _text_pieces(path: Path, *, val: bool, start: int = 0, stop: int | None = None) -> Iterator[Document]:
     """The text of bytes [start, stop) of `path` as documents of about PIECE_BYTES, cut where the
-    ids do not change; only the last ends (is followed by end-of-text). An empty text is none."""
+    ids do not change; only the first starts (follows begin-of-text) and only the last ends (is
+    followed by end-of-text). An empty text is none."""
     held: str | None = None  # a piece is yielded once the next is known, so the last can end
+    first = True
     for piece in _pieces(path, start, stop):
         if held is not None:
-            yield Document(held, val, ends=False, nbytes=len(held.encode("utf-8")))
+            yield Document(held, val, ends=False, starts=first, nbytes=len(held.encode("utf-8")))
+            first = False
         held = piece
     if held is not None:
-        yield Document(held, val, nbytes=len(held.encode("utf-8")))
+        yield Document(held, val, starts=first, nbytes=len(held.encode("utf-8")))
 
 
 def _pieces(path: Path, start: int, stop: int | None) -> Iterator[str]:
@@ -192,6 +207,21 @@ def open_source(spec: str, val_fraction: float, text_field: str = "text") -> Sou
     if not files:
         raise UserError(f"data source {spec} is empty: it holds no files")
     identity = {"kind": "files", "spec": str(path.absolute()), "text_field": text_field}
+    if path.is_dir() and _nanochat_shards(files):
+        identity["split"] = "last shard"
+        files = [p for p in files if NANOCHAT_SHARD.fullmatch(p.name)]
+        if len(files) < 2:
+            raise UserError(f"data source {spec} holds one nanochat shard: its last shard is the validation "
+                             "split, so it needs at least two")
+        return Files(root.absolute(), [p.absolute() for p in files], val_fraction, text_field, spec, identity,
+                     last_file_val=True)
     return Files(root.absolute(), [p.absolute() for p in files], val_fraction, text_field, spec, identity)
+
+
+def _nanochat_shards(files: list[Path]) -> bool:
+    """A folder of nanochat's shards: `shard_NNNNN.parquet` files, and at most the
+    `.tmp` files of a download beside them."""
+    shards = [p for p in files if NANOCHAT_SHARD.fullmatch(p.name)]
+    return bool(shards) and all(NANOCHAT_SHARD.fullmatch(p.name) or p.name.endswith(".parquet.tmp") for p in files)
 
 

@@ -22,6 +22,7 @@ import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -44,6 +45,8 @@ def listing_sha(listing: list[list]) -> str:
 def store_key(identity: dict, listing_sha256: str, tokenizer: Tokenizer, shard_tokens: int,
               val_fraction: float) -> str:
     parts = [STORE_FORMAT, STORE_VERSION, identity, listing_sha256, tokenizer.fingerprint, shard_tokens, val_fraction]
+    if tokenizer.bos_id is not None:  # documents open with it: not the stream a store of this tokenizer once held
+        parts.append({"opens_documents": tokenizer.bos_id})
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
 
@@ -59,7 +62,8 @@ class Tokens:
         self.shards = [s for s in shards if len(s)] or [np.zeros(0, np.uint16)]
         self.starts = np.cumsum([0] + [len(s) for s in self.shards])
         self.dtype = self.shards[0].dtype
-        self.document_starts: tuple[int, np.ndarray] | None = None  # (end-of-text id, offsets): batches.document_starts
+        self.document_starts: tuple[int, np.ndarray] | None = None  # (opening id, offsets): batches.document_starts
+        self.row_plans: dict[tuple[int, int], Any] = {}  # (opening id, window): batches.row_plan's RowPlan
 
     def __len__(self) -> int:
         return int(self.starts[-1])

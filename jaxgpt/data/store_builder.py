@@ -94,7 +94,7 @@ def choose_encoder(spec: StoreSpec) -> str:
         size += doc.size()
         if size >= CHECK_BYTES:
             break
-    fast, own = Encoder(tokenizer_json, TIKTOKEN, None), Encoder(tokenizer_json, HF, None)
+    fast, own = Encoder(tokenizer_json, TIKTOKEN, None, None), Encoder(tokenizer_json, HF, None, None)
     for number, (a, b) in enumerate(zip(fast.ids(texts), own.ids(texts))):
         if a != b:
             print(f"note: tiktoken's ids differ from the tokenizer's on document {number}; encoding with "
@@ -227,15 +227,15 @@ def build_store(spec: StoreSpec, workers: int | None = None, progress: bool = Tr
         write_atomic(folder / PROGRESS, json.dumps({"key": spec.key, "encoder": encoder_kind, "documents": consumed,
                                                    "splits": {n: s.state() for n, s in splits.items()}}))
 
-    eot, tokenizer_json = spec.tokenizer.eot_id, spec.tokenizer.to_json()
-    pool = Workers(workers, tokenizer_json, encoder_kind, eot, dtype) if workers > 1 else None
-    local = Encoder(tokenizer_json, encoder_kind, eot) if pool is None else None
+    (bos, eot), tokenizer_json = spec.tokenizer.separators, spec.tokenizer.to_json()
+    pool = Workers(workers, tokenizer_json, encoder_kind, bos, eot, dtype) if workers > 1 else None
+    local = Encoder(tokenizer_json, encoder_kind, bos, eot) if pool is None else None
     pending: deque[list[Document]] = deque()
 
-    def sent(tasks: Iterator[list[Document]]) -> Iterator[tuple[list[str], list[bool]]]:
+    def sent(tasks: Iterator[list[Document]]) -> Iterator[tuple[list[str], list[bool], list[bool]]]:
         for task in tasks:
             pending.append(task)
-            yield [d.text for d in task], [d.ends for d in task]
+            yield [d.text for d in task], [d.starts for d in task], [d.ends for d in task]
 
     done_bytes = sum(s.bytes for s in splits.values())
     bar = tqdm(total=spec.source.size() or None, initial=done_bytes, unit="B", unit_scale=True, desc="preparing",
@@ -243,7 +243,7 @@ def build_store(spec: StoreSpec, workers: int | None = None, progress: bool = Tr
     last_commit = time.monotonic()
     try:
         tasks = sent(_tasks(spec.source.documents(), consumed))
-        results = pool.map(tasks) if pool else (local.encode(texts, ends, dtype) for texts, ends in tasks)
+        results = pool.map(tasks) if pool else (local.encode(*task, dtype) for task in tasks)
         for ids, lengths in results:
             task = pending.popleft()
             val = np.fromiter((d.val for d in task), bool, count=len(task))
@@ -305,7 +305,8 @@ def _finish(spec: StoreSpec, splits: dict[str, _Split], encoder_kind: str) -> No
     index = {"format": STORE_FORMAT, "version": STORE_VERSION, "source": spec.source.description,
              "source_identity": spec.source.identity, "listing_sha256": listing_sha(spec.listing),
              "tokenizer_sha256": spec.tokenizer.fingerprint, "vocab_size": spec.tokenizer.vocab_size,
-             "eot_id": spec.tokenizer.eot_id, "dtype": token_dtype(spec.tokenizer.vocab_size).name,
+             "bos_id": spec.tokenizer.separators[0], "eot_id": spec.tokenizer.separators[1],
+             "dtype": token_dtype(spec.tokenizer.vocab_size).name,
              "shard_tokens": spec.shard_tokens, "encoder": encoder_kind, "tokens_sha256": digest.hexdigest(),
              "splits": {n: {"shards": s.shards, "tokens": s.tokens, "documents": s.documents, "bytes": s.bytes}
                         for n, s in splits.items()}}

@@ -64,7 +64,7 @@ class Tokenizer:
 
     @property
     def eot_id(self) -> int | None:
-        """The id of the end-of-text token that follows each document, or None if there is none."""
+        """The id of the tokenizer's end-of-text token, or None if there is none."""
         special = {t.content: i for i, t in self._hf.get_added_tokens_decoder().items() if t.special}
         return next((special[name] for name in END_OF_TEXT_NAMES if name in special), None)
 
@@ -73,6 +73,21 @@ class Tokenizer:
         """The id of the token that opens each document (nanochat's `<|bos|>`), or None."""
         special = {t.content: i for i, t in self._hf.get_added_tokens_decoder().items() if t.special}
         return next((special[name] for name in BEGIN_OF_TEXT_NAMES if name in special), None)
+
+    @property
+    def separators(self) -> tuple[int | None, int | None]:
+        """(the token put before each document, the one put after it) in the token store: a
+        tokenizer with `<|bos|>` opens every document with it, as nanochat does; any other puts
+        its end-of-text token after each, as GPT-2's does."""
+        bos = self.bos_id
+        return (bos, None) if bos is not None else (None, self.eot_id)
+
+    @property
+    def document_token(self) -> int | None:
+        """The token that opens a document in the store's stream (a document mask's segments start
+        at it): `<|bos|>` before it, or the end-of-text token that ends the one before."""
+        bos, eot = self.separators
+        return bos if bos is not None else eot
 
     def to_json(self) -> str:
         return self._hf.to_str()

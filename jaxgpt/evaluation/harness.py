@@ -57,9 +57,9 @@ GEN_CHUNK = 8  # new tokens per compiled decoding call; the stop strings are che
 
 
 def check_tokenizer(tokenizer: Tokenizer) -> None:
-    if tokenizer.eot_id is None:
-        raise UserError("the run's tokenizer has no end-of-text token, which the harness puts before an empty "
-                         "context and each document")
+    if tokenizer.document_token is None:
+        raise UserError("the run's tokenizer has neither a begin-of-text nor an end-of-text token, one of which the "
+                         "harness puts before an empty context and each document")
 
 
 def _on_one_device(params: Params) -> Params:
@@ -82,8 +82,8 @@ class HarnessLM(TemplateLM):
             raise UserError(f"batch size must be an integer >= 1, got {batch_size!r}")
         self.cfg, self.params, self.text_tokenizer = cfg, _on_one_device(params), tokenizer
         self.batch_size, self.progress, self.step = batch_size, progress, step
-        # A model trained with data.document_mask reads each document alone, the end-of-text token opening it.
-        self.document_token = tokenizer.eot_id if documents else None
+        # A model trained with data.document_mask reads each document alone, the document token opening it.
+        self.document_token = tokenizer.document_token if documents else None
         self.generation_widths = coarse_widths(cfg.context_length)  # decoding, not the prefill, takes the time
         self.vocab_limit = min(tokenizer.vocab_size, cfg.vocab_size)
         self._seed = 0
@@ -91,7 +91,8 @@ class HarnessLM(TemplateLM):
 
     @property
     def eot_token_id(self) -> int:
-        return self.text_tokenizer.eot_id
+        """What the harness puts before an empty context: the token that opens a document."""
+        return self.text_tokenizer.document_token
 
     @property
     def max_length(self) -> int:

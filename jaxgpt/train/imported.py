@@ -64,7 +64,7 @@ def import_nanochat_run(checkpoint_dir: str | Path, out_dir: str | Path, step: i
     """A run directory from nanochat's checkpoint folder (its newest step, or `step`) and its
     tokenizer (`tokenizer_dir`/tokenizer.pkl; by default nanochat's base directory's, two levels
     above the folder): the run is at nanochat's step, trains on with nanochat's optimizer
-    (`jaxgpt.nanochat.TRAIN_OVERRIDES`), and holds the tokenizer both as jaxgpt's and as
+    (`jaxgpt.nanochat.TRAIN_OVERRIDES`) and rows (data.align = "bestfit"), and holds the tokenizer both as jaxgpt's and as
     nanochat's pickle. Everything is checked before anything is written. (run, step)."""
     checkpoint_dir, run_dir, files = Path(checkpoint_dir), Path(out_dir), RunDir(out_dir)
     if files.checkpoints.exists() or files.config.exists():
@@ -80,7 +80,8 @@ def import_nanochat_run(checkpoint_dir: str | Path, out_dir: str | Path, step: i
                         f"{model.vocab_size}: they are not one model's")
     train = load_config(None, ["model.tie_embeddings=false", *TRAIN_OVERRIDES]).train
     train = dataclasses.replace(train, steps=max(train.steps, step))
-    cfg = RunConfig(model=model, data=DataConfig(tokenizer=str(files.tokenizer.absolute())), train=train)
+    data = DataConfig(tokenizer=str(files.tokenizer.absolute()), align="bestfit")  # nanochat's rows
+    cfg = RunConfig(model=model, data=data, train=train)
     state = state_from_params(cfg, params)
     state = state.replace(step=jnp.asarray(step, jnp.int32))
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -79,7 +79,7 @@ def sample_text(params, cfg: RunConfig, data: RunData, seed: int) -> str:
     prompt = list(data.tokenizer.encode("\n")) or [0]
     new = generate(params, cfg.model, [prompt], cfg.train.sample_tokens, temperature=0.8, top_k=40, seed=seed,
                    vocab_limit=data.tokenizer.vocab_size,
-                   document_token=data.tokenizer.eot_id if cfg.data.document_mask else None)
+                   document_token=data.tokenizer.document_token if cfg.data.document_mask else None)
     return data.tokenizer.decode(new[0])
 
 
