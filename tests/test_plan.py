@@ -37,9 +37,10 @@ def h100(hlo_root):
     cfgs = [attention("mha", 256, 64, "float32")]
     cfgs += [load_config(None, [*LAYERS, "train.batch_size=8", f"model.remat={policy}"]) for policy in REMAT]
     cfgs += [attention("gqa", 512, 64, "bfloat16", *WINDOWED)]
-    every = planning.plans([attention("mha", 256, 64, "bfloat16"), SPEEDRUN_BLOCK], "h100-1",
-                           hlo_dirs=[hlo_root / "mha", None])
-    trains = planning.plans(cfgs, "h100-1", programs=("train",))
+    every = [attention("mha", 256, 64, "bfloat16"), SPEEDRUN_BLOCK]
+    records = planning.plans([*every, *cfgs], "h100-1", hlo_dirs=[hlo_root / "mha"] + [None] * (len(cfgs) + 1),
+                             each=[{}] * len(every) + [{"programs": ("train",)}] * len(cfgs))
+    every, trains = records[:2], records[2:]
     return [every[0], *trains[:-1], every[1], trains[-1]]
 
 
@@ -129,8 +130,9 @@ FIT_HEADROOM = 0.02
 
 
 def test_fit_finds_the_largest_batch_a_compile_confirms():
-    """`dry-run --fit` from the command line: its batch fits (every program compiled at it), twice
-    it does not, it splits over the cards, and stderr holds only jaxgpt's lines."""
+    """`dry-run --fit` from the command line: its batch fits (every program compiled at it), the
+    next batch the cards split (two rows more), compiled by the search, does not, and stderr holds
+    only jaxgpt's lines."""
     sets = [arg for item in FIT_MODEL for arg in ("--set", item)]
     out = subprocess.run([sys.executable, "-m", "jaxgpt", "dry-run", *sets, "--target", "h100-2", "--fit",
                           "--headroom", str(FIT_HEADROOM)], capture_output=True, text=True, timeout=900)
@@ -140,9 +142,9 @@ def test_fit_finds_the_largest_batch_a_compile_confirms():
     batch = record["largest_batch"]
     assert batch > 100 and batch % 2 == 0 and record["batch_size"] == batch and record["fits"] is True
     assert record["peak_bytes"] <= FIT_HEADROOM * record["compiled"]["device_bytes"]
-    [twice] = planning.plans([load_config(None, [*FIT_MODEL, f"train.batch_size={2 * batch}"])], "h100-2",
-                             programs=("train",), headroom=FIT_HEADROOM)
-    assert twice["fits"] is False and twice["peak_bytes"] > FIT_HEADROOM * twice["compiled"]["device_bytes"]
+    searched = dict(record["searched"])
+    assert searched[batch] <= record["peak_bytes"] and {"eval", "decode"} <= set(record["compiled"])
+    assert searched[batch + 2] is None or searched[batch + 2] > FIT_HEADROOM * record["compiled"]["device_bytes"]
 
 
 def test_the_search_finds_the_largest_fitting_multiple_in_a_few_compiles():
@@ -192,6 +194,13 @@ def test_an_unknown_target_names_the_nearest(capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith("jaxgpt dry-run: error: unknown target 'v5e-3'; nearest: ") and "v5e-4" in err
     assert len(err.splitlines()) == 1
+
+
+def test_per_plan_options_are_checked_before_a_compiler_starts():
+    with pytest.raises(ValueError, match="plans\\(each=...\\) takes fit, programs and headroom, not fits"):
+        planning.plans([tiny()], "v5e-1", each=[{"fits": True}])
+    with pytest.raises(ValueError, match="1 HLO folders and 2 options for 1 configs"):
+        planning.plans([tiny()], "v5e-1", each=[{}, {}])
 
 
 def test_a_batch_the_chips_cannot_split_is_one_line():

@@ -1,13 +1,15 @@
 """Plans for TPUs, compiled by libtpu (the `targets` extra) on this CPU: the TPU kernels through
-Mosaic for every shape, a batch beyond the chip, FSDP and slices of many hosts (memory figures:
-test_plan_tpu_memory.py). The compiles for one target share one compile process (`plans`)."""
+Mosaic for every shape, a batch beyond the chip, the largest batch a chip takes, FSDP and slices
+of many hosts (each generation's memory: test_plan_tpu_memory.py). The compiles for one target
+share one compile process (`plans(each=...)`): starting libtpu costs about 9 s of CPU."""
 
 import itertools
 
 import pytest
-from plan_models import SPEEDRUN_BLOCK, WINDOWED, attention, tiny
+from plan_models import LAYERS, SPEEDRUN_BLOCK, WINDOWED, attention, tiny
 
 from jaxgpt import plan as planning
+from jaxgpt.config import load_config
 from jaxgpt.plan import targets
 
 # A pairwise covering array of the TPU set's shapes: every value of every pair of the four
@@ -29,22 +31,36 @@ def beyond_the_chip(chips: int):
     return tiny("model.context_length=1024", "model.d_model=64", f"train.batch_size={2**15 * chips}")
 
 
+# Long-short windows over packed documents: splash's local mask with segment ids, and its causal mask.
+WINDOWED_DOCUMENTS = attention("gqa", 512, 64, "bfloat16", *WINDOWED, "data.document_mask=true")
+EVERY_PROGRAM = [attention("mha", 256, 64, "bfloat16"), SPEEDRUN_BLOCK, WINDOWED_DOCUMENTS]
+FIT_HEADROOM = 0.004  # 68 MB of the v5e's 15.75 GiB: the batches stay small and quick to compile
+
+
 @pytest.fixture(scope="module")
 def v5e_1():
-    """One compile process for one TPU v5e chip: the Mosaic rows and a batch far beyond the chip."""
-    cfgs = [attention(*row) for row in MOSAIC_ROWS] + [beyond_the_chip(1)]
-    return planning.plans(cfgs, "v5e-1", programs=("train",))
+    """One compile process for one TPU v5e chip: every program (train, eval, the sampler) of a
+    plain model, the speedrun block under muP and a long-short windowed model over packed
+    documents, first, at lengths no probe compiled before; then the Mosaic rows' train steps, a
+    batch far beyond the chip, and the search for the largest batch of a 4-layer model."""
+    train = {"programs": ("train",)}
+    cfgs = [*EVERY_PROGRAM, *(attention(*row) for row in MOSAIC_ROWS), beyond_the_chip(1), load_config(None, LAYERS)]
+    each = [{}] * len(EVERY_PROGRAM) + [train] * (len(MOSAIC_ROWS) + 1) + [{**train, "fit": True,
+                                                                            "headroom": FIT_HEADROOM}]
+    records = planning.plans(cfgs, "v5e-1", each=each)
+    every = len(EVERY_PROGRAM)
+    return {"every_program": records[:every], "mosaic": records[every:-2], "beyond": records[-2], "fit": records[-1]}
 
 
 def test_the_tpu_set_compiles_through_mosaic_for_every_shape_without_falling_back(v5e_1):
-    for row, record in zip(MOSAIC_ROWS, v5e_1):
+    for row, record in zip(MOSAIC_ROWS, v5e_1["mosaic"], strict=True):
         assert record["kernels"] == "tpu", row  # the probe compiled splash attention: no fallback
         assert "tpu_custom_call" in record["compiled"]["custom_calls"], row  # ... and the step runs it
         assert record["fits"] is True and record["device_kind"] == "TPU v5 lite"
 
 
 def test_a_program_the_compiler_refuses_for_memory_does_not_fit_and_says_what_it_needs(v5e_1):
-    record = v5e_1[-1]
+    record = v5e_1["beyond"]
     compiled = record["compiled"]
     assert "RESOURCE_EXHAUSTED" in compiled["refused"] and record["fits"] is False
     assert compiled["total_bytes"] > compiled["temp_bytes"] > targets.target("v5e-1").device_bytes
@@ -52,10 +68,28 @@ def test_a_program_the_compiler_refuses_for_memory_does_not_fit_and_says_what_it
     assert compiled["available_bytes"] == targets.target("v5e-1").device_bytes
 
 
-def test_fsdp_over_four_v5e_chips_runs_splash_attention_per_device_and_splits_the_state():
-    full, split = planning.plans([attention("mha", 256, 64, "bfloat16", "train.batch_size=8"),
-                                  attention("mha", 256, 64, "bfloat16", "train.batch_size=8", "train.fsdp=4")],
-                                 "v5e-4", programs=("train",))
+def test_the_largest_batch_for_a_tpu_fits_and_one_row_more_does_not(v5e_1):
+    """The search's own compile of the next batch up shows the batch it found is the largest."""
+    record = v5e_1["fit"]
+    batch, limit = record["largest_batch"], FIT_HEADROOM * record["compiled"]["device_bytes"]
+    assert batch == record["batch_size"] and record["fits"] is True
+    assert record["peak_bytes"] <= limit and "eval" not in record["compiled"]  # the train step alone
+    searched = dict(record["searched"])
+    assert searched[batch] == record["peak_bytes"]
+    assert searched[batch + 1] is None or searched[batch + 1] > limit
+
+
+@pytest.fixture(scope="module")
+def v5e_4():
+    """One compile process for four v5e chips: a model's train step laid out over the data, and
+    every program of it laid out over FSDP."""
+    return planning.plans([attention("mha", 256, 64, "bfloat16", "train.batch_size=8"),
+                           attention("mha", 256, 64, "bfloat16", "train.batch_size=8", "train.fsdp=4")], "v5e-4",
+                          each=[{"programs": ("train",)}, {}])
+
+
+def test_fsdp_over_four_v5e_chips_runs_splash_attention_per_device_and_splits_the_state(v5e_4):
+    full, split = v5e_4
     assert split["kernels"] == "tpu" and "tpu_custom_call" in split["compiled"]["custom_calls"]
     assert split["mesh"] == {"data": 1, "fsdp": 4} and full["mesh"] == {"data": 4, "fsdp": 1}
     assert split["opt_state_bytes_per_device"] < full["opt_state_bytes_per_device"] / 2
@@ -68,38 +102,27 @@ def test_a_slice_of_many_hosts_says_its_processes_and_the_rows_each_reads():
     assert record["mesh"] == {"data": 4, "fsdp": 4} and record["fits"] is True
 
 
-# Long-short windows over packed documents: splash's local mask with segment ids, and its causal mask.
-WINDOWED_DOCUMENTS = attention("gqa", 512, 64, "bfloat16", *WINDOWED, "data.document_mask=true")
-
-
-@pytest.fixture(scope="module")
-def every_program():
-    """One compile process for every program (train, eval, the sampler) on one v5e chip: a plain
-    model, the speedrun block under muP, a long-short windowed model over packed documents."""
-    return planning.plans([attention("mha", 256, 64, "bfloat16"), SPEEDRUN_BLOCK, WINDOWED_DOCUMENTS], "v5e-1")
-
-
-def test_every_program_dry_run_compiles_builds_the_splash_kernel_in_the_trace_that_asks(every_program):
+def test_every_program_dry_run_compiles_builds_the_splash_kernel_in_the_trace_that_asks(v5e_1):
     # Train, eval and the sampler in one process at a length no probe compiles first: the
     # sampler's window pass takes splash attention after the train step's gradient did.
-    record = every_program[0]
+    record = v5e_1["every_program"][0]
     assert "failure" not in record, record.get("failure")
     assert {"eval", "decode"} <= set(record["compiled"]) and record["kernels"] == "tpu"
     assert "tpu_custom_call" in record["compiled"]["eval"]["custom_calls"]
 
 
 @pytest.mark.parametrize("which", [1, 2], ids=["speedrun block", "long-short windows over documents"])
-def test_the_speedrun_models_compile_every_program_with_splash_attention(every_program, which):
-    record = every_program[which]
+def test_the_speedrun_models_compile_every_program_with_splash_attention(v5e_1, which):
+    record = v5e_1["every_program"][which]
     assert "failure" not in record, record.get("failure")
     assert record["kernels"] == "tpu" and record["fits"] is True
     for program in (record["compiled"], record["compiled"]["eval"], record["compiled"]["decode"]):
         assert "tpu_custom_call" in program["custom_calls"]
 
 
-def test_the_sampler_on_four_chips_runs_splash_attention_on_every_chip_over_all_its_rows():
+def test_the_sampler_on_four_chips_runs_splash_attention_on_every_chip_over_all_its_rows(v5e_4):
     # 256 positions: the sampler's window pass (128) takes splash attention, which XLA's
     # partitioner cannot split over the FSDP-sharded parameters' mesh.
-    [record] = planning.plans([attention("mha", 256, 64, "bfloat16", "train.batch_size=8", "train.fsdp=4")], "v5e-4")
+    record = v5e_4[1]
     assert "failure" not in record, record.get("failure")
     assert "tpu_custom_call" in record["compiled"]["decode"]["custom_calls"] and record["kernels"] == "tpu"

@@ -19,7 +19,7 @@ memory it needs; it says nothing of speed.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from jaxgpt.config import ConfigError, RunConfig
 from jaxgpt.errors import UserError
@@ -52,21 +52,28 @@ def plan(cfg: RunConfig, target_name: str | None = None, *, fit: bool | int = Fa
 def plans(cfgs: Sequence[RunConfig], target_name: str | None = None, *, fit: bool | int = False,
           programs: Sequence[str] = PROGRAMS, headroom: float = HEADROOM,
           echo: Callable[[str], None] | None = None,
-          hlo_dirs: Sequence[str | Path | None] | None = None) -> list[dict[str, Any]]:
+          hlo_dirs: Sequence[str | Path | None] | None = None,
+          each: Sequence[Mapping[str, Any]] | None = None) -> list[dict[str, Any]]:
     """`plan` of each config, a target's in one compile process; a config that cannot be planned
     gives {"error": why} in its place, one its compiler failed on {"failure": what}. `hlo_dirs`:
-    each config's folder for its programs' HLO text (None: none written)."""
+    each config's folder for its programs' HLO text (None: none written). `each`: per config, the
+    `fit`, `programs` or `headroom` it takes instead of the call's, so that plans of several kinds
+    share one compile process (starting one for a TPU costs seconds)."""
     folders = [None if d is None else str(Path(d).resolve()) for d in (hlo_dirs or [None] * len(cfgs))]
-    if len(folders) != len(cfgs):
-        raise ValueError(f"{len(folders)} HLO folders for {len(cfgs)} configs")
+    own = list(each or [{}] * len(cfgs))
+    if not len(folders) == len(own) == len(cfgs):
+        raise ValueError(f"{len(folders)} HLO folders and {len(own)} options for {len(cfgs)} configs")
+    unknown = {key for mine in own for key in mine} - {"fit", "programs", "headroom"}
+    if unknown:
+        raise ValueError(f"plans(each=...) takes fit, programs and headroom, not {', '.join(sorted(unknown))}")
+    options = [{"fit": fit, "programs": list(programs), "headroom": headroom, **mine} for mine in own]
     if target_name is None:
-        return [_plan_here(cfg, fit=fit, programs=programs, headroom=headroom, hlo_dir=folder)
-                for cfg, folder in zip(cfgs, folders)]
+        return [_plan_here(cfg, **option, hlo_dir=folder) for cfg, option, folder in zip(cfgs, options, folders)]
     from jaxgpt.plan.compilers import run_worker
 
     spec = target(target_name)
-    requests = [{"config": cfg.to_dict(), "fit": fit, "programs": list(programs), "headroom": headroom,
-                 "hlo_dir": folder} for cfg, folder in zip(cfgs, folders)]
+    requests = [{"config": cfg.to_dict(), **option, "programs": list(option["programs"]), "hlo_dir": folder}
+                for cfg, option, folder in zip(cfgs, options, folders)]
     return run_worker(requests, spec, echo)
 
 
@@ -107,10 +114,11 @@ def _plan_here(cfg: RunConfig, *, fit: bool | int, programs: Sequence[str], head
 
 
 def largest_fitting_batch(cfg: RunConfig, target_name: str | None = None, *, headroom: float = HEADROOM,
-                          most: int | None = None) -> tuple[int, dict[str, Any]]:
-    """The largest global batch (up to `most` rows) whose programs fit `headroom` of a chip of the
-    target (None: of this machine's devices), and the plan at that batch; a ValueError if none does."""
-    record = plan(cfg, target_name, fit=most or True, headroom=headroom)
+                          most: int | None = None, programs: Sequence[str] = PROGRAMS) -> tuple[int, dict[str, Any]]:
+    """The largest global batch (up to `most` rows) whose `programs` fit `headroom` of a chip of
+    the target (None: of this machine's devices), and the plan at that batch; a ValueError if none
+    does. The record's `searched` holds what each batch the search compiled needed."""
+    record = plan(cfg, target_name, fit=most or True, headroom=headroom, programs=programs)
     if record["largest_batch"] is None:
         where = target_name or "this machine's devices"
         raise UserError(f"no batch of {cfg.model.context_length}-token rows fits {headroom:.0%} of a chip of "

@@ -41,13 +41,14 @@ def plan_on(cfg: RunConfig, devices: Sequence[jax.Device], device_bytes: int | N
     """Compile `programs` of `cfg` for `devices` as its train mode lays them out, and say whether
     they fit `headroom` of `device_bytes` (None where the memory is unknown). `fit`: first find
     the largest global batch that fits (`largest_batch`; an integer: the largest up to that
-    many rows) and plan that one. `hlo_dir`: a folder for the optimised HLO text of each program
+    many rows) and plan that one; `searched` lists [batch, bytes] for each batch the search
+    compiled (bytes None where the compiler refused it), so the batch above the largest shows. `hlo_dir`: a folder for the optimised HLO text of each program
     planned (`train.hlo.txt`, `eval.hlo.txt`, `prefill.hlo.txt`, `decode.hlo.txt`), at the batch
     planned, not the search's."""
     mode = sharding.resolve_mode(cfg.train, len(devices))
     mesh = mesh_for(cfg, devices)
     record: dict[str, Any] = {"mode": mode, "kernels": choose_kernels(cfg.model).name}
-    largest = None
+    largest, searched, train = None, {}, None
     if fit:
         if device_bytes is None:
             raise UserError("these devices report no memory to fit a batch in: plan for a --target")
@@ -57,10 +58,14 @@ def plan_on(cfg: RunConfig, devices: Sequence[jax.Device], device_bytes: int | N
             if progress:
                 progress(f"the params and optimiser state alone need {state_bytes / 2**30:.2f} GiB a chip")
         else:
+            trained: dict[int, dict[str, Any]] = {}  # the search's train steps, so the plan compiles none twice
             largest = largest_batch(cfg, mesh, device_bytes, headroom, progress,
-                                    most=None if fit is True else int(fit), fixed=state_bytes)
+                                    measure=lambda sized: _train_bytes(sized, mesh, trained),
+                                    most=None if fit is True else int(fit), fixed=state_bytes, seen=searched)
+            if hlo_dir is None and largest in trained:
+                train = trained[largest]
     record.update(_programs(cfg.replace("train", batch_size=largest) if largest else cfg, mesh, device_bytes, programs,
-                            headroom, hlo_dir))
+                            headroom, hlo_dir, train))
     if fit and largest is not None and record["fits"] is False:
         # Eval or sampling, beside the resident optimiser state, needs more than the train step:
         # search again below, each batch judged by every program.
@@ -68,21 +73,27 @@ def plan_on(cfg: RunConfig, devices: Sequence[jax.Device], device_bytes: int | N
             planned = _programs(sized, mesh, device_bytes, programs, headroom)
             return None if _refused(planned["compiled"]) else planned["peak_bytes"]
 
-        largest = largest_batch(cfg, mesh, device_bytes, headroom, progress, below=largest, measure=every_program)
+        searched[largest] = None if _refused(record["compiled"]) else record["peak_bytes"]  # every program's
+        again: dict[int, int | None] = {}  # its own line through its own figures
+        largest = largest_batch(cfg, mesh, device_bytes, headroom, progress, below=largest, measure=every_program,
+                                seen=again)
+        searched.update(again)
         record.update(_programs(cfg.replace("train", batch_size=largest) if largest else cfg, mesh, device_bytes,
                                 programs, headroom, hlo_dir))
     if fit:
         record["largest_batch"] = largest
+        record["searched"] = sorted([batch, total] for batch, total in searched.items())
     return record
 
 
 def _programs(cfg: RunConfig, mesh: Any, device_bytes: int | None, programs: Sequence[str], headroom: float,
-              hlo_dir: str | None = None) -> dict[str, Any]:
-    """The compiled part of a plan at `cfg`'s batch: per-device memory, programs, peak, fits."""
+              hlo_dir: str | None = None, train: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The compiled part of a plan at `cfg`'s batch: per-device memory, programs, peak, fits.
+    `train`: the train step's figures where a search compiled it at this batch already."""
     record = {**planned_memory(cfg, mesh), "batch_size": cfg.train.batch_size}
     if hlo_dir is not None:
         Path(hlo_dir).mkdir(parents=True, exist_ok=True)
-    compiled = compile_train(cfg, mesh, hlo_dir=hlo_dir)
+    compiled = dict(train) if train is not None else compile_train(cfg, mesh, hlo_dir=hlo_dir)
     if "eval" in programs:
         compiled["eval"] = compile_eval(cfg, mesh, hlo_dir)
     if "decode" in programs:
@@ -116,12 +127,13 @@ def _refused(compiled: dict[str, Any]) -> bool:
 def largest_batch(cfg: RunConfig, mesh: Any, device_bytes: int, headroom: float = HEADROOM,
                   progress: Callable[[str], None] | None = None,
                   measure: Callable[[RunConfig], int | None] | None = None, below: int | None = None,
-                  most: int | None = None, fixed: int | None = None) -> int | None:
+                  most: int | None = None, fixed: int | None = None, seen: dict[int, int | None] | None = None) -> int | None:
     """The largest global batch, a multiple of the devices times `train.grad_accum` (what a step
     splits evenly), whose programs need at most `headroom` of `device_bytes`; None if even the
     smallest does not fit. `measure(cfg)` gives the bytes a batch needs (None: refused); by
     default the train step's. `below`: a batch known not to fit; `most`: the largest batch to
-    consider (rounded down to the multiple); `fixed`: the bytes no batch goes below (the state).
+    consider (rounded down to the multiple); `fixed`: the bytes no batch goes below (the state);
+    `seen`: a dict that gets each batch compiled and its bytes (None: refused).
 
     Memory grows about linearly with the batch, so each compile's figure moves a line through
     the last two (the first from `fixed` at no rows) and guesses where it crosses the limit; the
@@ -131,7 +143,7 @@ def largest_batch(cfg: RunConfig, mesh: Any, device_bytes: int, headroom: float 
     unit = mesh.devices.size * cfg.train.grad_accum
     limit = headroom * device_bytes
     measure = measure or (lambda sized: _train_bytes(sized, mesh))
-    seen: dict[int, int | None] = {}
+    seen = {} if seen is None else seen
 
     def fits(batch: int) -> bool:
         total = seen[batch] = measure(cfg.replace("train", batch_size=batch))
@@ -183,6 +195,9 @@ def largest_batch(cfg: RunConfig, mesh: Any, device_bytes: int, headroom: float 
     return low
 
 
-def _train_bytes(cfg: RunConfig, mesh: Any) -> int | None:
+def _train_bytes(cfg: RunConfig, mesh: Any, kept: dict[int, dict[str, Any]] | None = None) -> int | None:
+    """The bytes the train step at `cfg`'s batch needs (None: refused); its figures go to `kept`."""
     figures = compile_train(cfg, mesh)
+    if kept is not None:
+        kept[cfg.train.batch_size] = figures
     return None if "refused" in figures else figures.get("total_bytes")
