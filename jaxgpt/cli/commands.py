@@ -96,7 +96,8 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     tokens = data.tokens
     print(json.dumps({"store": str(tokens.folder), "train_tokens": len(tokens.train), "val_tokens": len(tokens.val),
                       "shards": len(tokens.train.shards) + len(tokens.val.shards), "val_bytes": tokens.val_bytes,
-                      "tokenizer_vocab": data.tokenizer.vocab_size, "eot_id": data.tokenizer.eot_id, "bos_id": data.tokenizer.bos_id,
+                      "tokenizer_vocab": data.tokenizer.vocab_size, "eot_id": data.tokenizer.eot_id,
+                      "bos_id": data.tokenizer.bos_id,
                       "data_sha256": tokens.fingerprint, "seconds": round(time.perf_counter() - started, 2)}))
     return 0
 

@@ -54,10 +54,7 @@ def get_batch(
     """
     if len(tokens) < window:
         raise UserError(f"the {split} split has {len(tokens)} tokens, fewer than one window of {window}")
-    if batch_size % process_count:
-        raise UserError(f"batch size {batch_size} is not divisible by process count {process_count}")
-    if not 0 <= process_index < process_count:
-        raise UserError(f"process index {process_index} is outside [0, {process_count})")
+    mine = process_rows(batch_size, process_index, process_count)
     if min(seed, stream, step) < 0:
         raise UserError(f"seed, stream and step must be >= 0, got {seed}, {stream}, {step}")
     rng = np.random.default_rng([seed, stream, step])
@@ -68,11 +65,21 @@ def get_batch(
         if not len(starts):
             raise UserError(f"no document of the {split} split starts a whole window of {window} tokens before its end")
         offsets = starts[rng.integers(0, len(starts), size=batch_size)]
-    per_process = batch_size // process_count
-    mine = offsets[process_index * per_process:(process_index + 1) * per_process]
+    mine = offsets[mine]
     if isinstance(tokens, Tokens):
         return tokens.windows(mine, window)
     return np.asarray(tokens[mine[:, None] + np.arange(window)], dtype=np.int32)
+
+
+def process_rows(batch_size: int, process_index: int, process_count: int) -> slice:
+    """The rows of a global batch of `batch_size` that process `process_index` of `process_count`
+    reads: a block of batch_size // process_count; an uneven split or a bad index is one line."""
+    if batch_size % process_count:
+        raise UserError(f"batch size {batch_size} is not divisible by process count {process_count}")
+    if not 0 <= process_index < process_count:
+        raise UserError(f"process index {process_index} is outside [0, {process_count})")
+    per_process = batch_size // process_count
+    return slice(process_index * per_process, (process_index + 1) * per_process)
 
 
 def window_length(model: ModelConfig) -> int:
@@ -86,30 +93,30 @@ def batch_width(cfg: RunConfig) -> int:
     return window_length(cfg.model) + (cfg.model.context_length if cfg.data.document_mask else 0)
 
 
-def with_segments(rows: np.ndarray, context_length: int, eot_id: int) -> np.ndarray:
+def with_segments(rows: np.ndarray, context_length: int, token: int) -> np.ndarray:
     """`rows` [B, W] with each input token's segment id after them [B, W + T]: the count of
     end-of-text tokens up to and including it, so the end-of-text token opens the document after
     it (its input predicts that document's first token from nothing before it)."""
-    segments = np.cumsum(rows[:, :context_length] == eot_id, axis=1, dtype=np.int32)
+    segments = np.cumsum(rows[:, :context_length] == token, axis=1, dtype=np.int32)
     return np.concatenate([rows, segments], axis=1)
 
 
-def document_starts(tokens: np.ndarray | Tokens, eot_id: int) -> np.ndarray:
-    """int64 offsets of the split's documents: 0 and every `eot_id`, the document token (a
+def document_starts(tokens: np.ndarray | Tokens, token: int) -> np.ndarray:
+    """int64 offsets of the split's documents: 0 and every `token`, the document token (a
     `<|bos|>` opens its document; an end-of-text token opens the next one), read shard by shard
     once and kept with the split."""
     kept = tokens.document_starts if isinstance(tokens, Tokens) else None
-    if kept is not None and kept[0] == eot_id:
+    if kept is not None and kept[0] == token:
         return kept[1]
     shards = tokens.shards if isinstance(tokens, Tokens) else [np.asarray(tokens)]
     found, offset = [np.zeros(1, np.int64)], 0
     for shard in shards:
         for chunk in range(0, len(shard), 1 << 26):
-            found.append(np.flatnonzero(np.asarray(shard[chunk:chunk + (1 << 26)]) == eot_id) + offset + chunk)
+            found.append(np.flatnonzero(np.asarray(shard[chunk:chunk + (1 << 26)]) == token) + offset + chunk)
         offset += len(shard)
     starts = np.unique(np.concatenate(found))
     if isinstance(tokens, Tokens):
-        tokens.document_starts = (eot_id, starts)
+        tokens.document_starts = (token, starts)
     return starts
 
 
@@ -157,10 +164,8 @@ def _bestfit_batch(cfg: RunConfig, data: RunData, split: str, index: int, whole:
     """This process's rows of best-fit batch `index`: rows index * batch_size onwards, in order."""
     tokens = data.tokens.train if split == "train" else data.tokens.val
     plan = row_plan(tokens, document_token(data.tokenizer), window_length(cfg.model))
-    where = _process_slice(whole)
-    per_process = cfg.train.batch_size // where["process_count"]
-    first = index * cfg.train.batch_size + where["process_index"] * per_process
-    batch = plan.rows(tokens, first, per_process)
+    mine = process_rows(cfg.train.batch_size, **_process_slice(whole))
+    batch = plan.rows(tokens, index * cfg.train.batch_size + mine.start, mine.stop - mine.start)
     return _with_documents(cfg, data, _checked(batch, cfg.model.vocab_size, split))
 
 

@@ -62,17 +62,20 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._hf.get_vocab_size(with_added_tokens=True)
 
+    def _special_id(self, names: tuple[str, ...]) -> int | None:
+        """The id of the first of `names` the tokenizer has as a special token, or None."""
+        special = {t.content: i for i, t in self._hf.get_added_tokens_decoder().items() if t.special}
+        return next((special[name] for name in names if name in special), None)
+
     @property
     def eot_id(self) -> int | None:
         """The id of the tokenizer's end-of-text token, or None if there is none."""
-        special = {t.content: i for i, t in self._hf.get_added_tokens_decoder().items() if t.special}
-        return next((special[name] for name in END_OF_TEXT_NAMES if name in special), None)
+        return self._special_id(END_OF_TEXT_NAMES)
 
     @property
     def bos_id(self) -> int | None:
         """The id of the token that opens each document (nanochat's `<|bos|>`), or None."""
-        special = {t.content: i for i, t in self._hf.get_added_tokens_decoder().items() if t.special}
-        return next((special[name] for name in BEGIN_OF_TEXT_NAMES if name in special), None)
+        return self._special_id(BEGIN_OF_TEXT_NAMES)
 
     @property
     def separators(self) -> tuple[int | None, int | None]:
