@@ -25,7 +25,7 @@ bench: $(TEST_STAMP)
 	$(PY) scripts/bench_vs_torch.py
 
 test: $(TEST_STAMP)
-	$(PY) -m pytest -x -n 2
+	$(PY) -m pytest -x -n 3
 
 clean:
 	rm -rf $(VENV) runs
