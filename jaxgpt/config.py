@@ -354,6 +354,10 @@ class TrainConfig:
     eval_tasks_every: int | None = entry(None, IDENTITY, RESUME, FORCE, INIT_FROM)  # None: at every eval_every steps
     eval_tasks_path: str = entry("", IDENTITY, RESUME, FORCE, INIT_FROM)  # a folder of task YAML files, as `jaxgpt eval --include-path` takes
     eval_tasks_limit: int = entry(0, IDENTITY, RESUME, FORCE, INIT_FROM)  # documents per task; 0: all of them
+    # nanochat's CORE score on the live parameters, logged beside the val loss (jaxgpt.evaluation.core):
+    core_bundle: str = entry("", IDENTITY, RESUME, FORCE, INIT_FROM)  # an eval bundle folder, as `jaxgpt eval --core` takes; "" scores none
+    core_every: int | None = entry(None, IDENTITY, RESUME, FORCE, INIT_FROM)  # None: at every eval_every steps
+    core_max_per_task: int = entry(0, IDENTITY, RESUME, FORCE, INIT_FROM)  # examples per task after the shuffle; 0: all
     # Where the metrics go beside metrics.jsonl (always written): any of TRACKERS (jaxgpt/runs/trackers.py).
     trackers: tuple[str, ...] = entry(("tensorboard",), RESUME, FORCE, INIT_FROM)
     wandb_project: str = entry("jaxgpt", RESUME, FORCE, INIT_FROM)  # with "wandb": W&B's project (WANDB_ENTITY, WANDB_MODE, WANDB_DIR as W&B reads them)
@@ -378,6 +382,10 @@ class TrainConfig:
             object.__setattr__(self, "eval_tasks_every", self.eval_every)
         names_list(self.eval_tasks, "train.eval_tasks")
         _positive(s, self, "eval_tasks_every")
+        if self.core_every is None:
+            object.__setattr__(self, "core_every", self.eval_every)
+        _positive(s, self, "core_every")
+        _positive(s, self, "core_max_per_task", allow_zero=True)
         _positive(s, self, "eval_tasks_limit", allow_zero=True)
         _positive(s, self, "steps", "batch_size", "grad_accum", "lr", "muon_lr", "log_every", "eval_every")
         _positive(s, self, "eval_batches", "checkpoint_every", "keep_checkpoints", "fsdp", "adam_eps")

@@ -29,20 +29,14 @@ def main() -> None:
     args = parser.parse_args()
     sys.path.insert(0, args.nanochat)
     import torch
-    from nanochat.gpt import GPT, GPTConfig
 
     from jaxgpt.model.decoder import forward
     from jaxgpt.nanochat import model_config, params_from_state
 
     gpt = dict(sequence_len=32, vocab_size=100, n_layer=5, n_head=4, n_kv_head=2, n_embd=64, window_pattern="SSL")
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(**gpt))
-    model.init_weights()
+    model = random_gpt(gpt, 0)
     T = gpt["sequence_len"]
     model.window_sizes = [w if w[0] == T else (args.short, 0) for w in model.window_sizes]  # its S below T
-    with torch.no_grad():  # every weight off its init, so that the smear, backout and gates all count
-        for name, p in model.named_parameters():
-            p.add_(torch.randn_like(p) * (0.3 if "lambda" in name else 0.15))
     state = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
     tokens = np.random.default_rng(1).integers(0, gpt["vocab_size"], (3, T))
     with torch.no_grad():
@@ -57,6 +51,22 @@ def main() -> None:
     print(json.dumps({"check": "two optimizer steps", **optimizer_steps(model, gpt, args.short)}))
     print(json.dumps({"check": "checkpoints through nanochat's own checkpoint_manager", **checkpoints()}))
     print(json.dumps({"check": "best-fit rows against nanochat's dataloader", **rows()}))
+    print(json.dumps({"check": "CORE against nanochat's core_eval and base_eval", **core_score(args.nanochat)}))
+
+
+def random_gpt(gpt: dict, seed: int):
+    """nanochat's own GPT at its init, every weight then moved off it (so that the smear, the
+    backout and the gates all count)."""
+    import torch
+    from nanochat.gpt import GPT, GPTConfig
+
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(**gpt))
+    model.init_weights()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.add_(torch.randn_like(p) * (0.3 if "lambda" in name else 0.15))
+    return model
 
 
 def greedy(model, gpt: dict, state: dict, short: int) -> dict:
@@ -151,7 +161,6 @@ def checkpoints() -> dict:
     sys.modules.setdefault("rustbpe", types.ModuleType("rustbpe"))
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from nanochat.checkpoint_manager import load_model, save_checkpoint
-    from nanochat.gpt import GPT, GPTConfig
     from nanochat_files import train_encoding
 
     from jaxgpt.cli.main import main as jaxgpt_main
@@ -163,12 +172,7 @@ def checkpoints() -> dict:
     encoding = train_encoding(text, 200)
     gpt = dict(sequence_len=256, vocab_size=encoding.n_vocab, n_layer=4, n_head=4, n_kv_head=2, n_embd=64,
                window_pattern="SSSL")
-    torch.manual_seed(2)
-    model = GPT(GPTConfig(**gpt))
-    model.init_weights()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.add_(torch.randn_like(p) * (0.3 if "lambda" in name else 0.15))
+    model = random_gpt(gpt, 2)
     tokens = torch.tensor([encoding.encode(text[:4000])[:256]])
     with torch.no_grad():
         want = model(tokens).float().numpy()
@@ -254,6 +258,92 @@ def rows(B: int = 8, T: int = 64, batches: int = 400) -> dict:
         result["train_tokens_read"] = batches * B * (T + 1)
         result["train_split_tokens"] = len(data.tokens.train)
     return result
+
+
+def core_score(source: str, T: int = 32) -> dict:
+    """A bundle written in nanochat's layout (the tests' five tasks: the three types, 0 to 2
+    shots, prompts past the context) scored by nanochat's own evaluate_example and its base_eval
+    evaluate_core on a random GPT saved by its save_checkpoint and read by its load_model (given
+    max_seq_len = T, so that it crops as jaxgpt does), against `jaxgpt eval --core` on the
+    import: each example's decision, each task's accuracy and CORE."""
+    import contextlib
+    import importlib.util
+    import io
+    import pickle
+    import random
+    import tempfile
+    import types
+    from pathlib import Path
+
+    import torch
+    sys.modules.setdefault("rustbpe", types.ModuleType("rustbpe"))
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root / "tests"))
+    from core_reference import WORDS, make_examples, write_bundle
+    from nanochat.checkpoint_manager import load_model, save_checkpoint
+    from nanochat.core_eval import evaluate_example
+    from nanochat_files import train_encoding
+
+    from jaxgpt.cli.main import main as jaxgpt_main
+    from jaxgpt.data.tokenizer import Tokenizer
+    from jaxgpt.evaluation import core
+    from jaxgpt.evaluation.scoring import score_pairs
+    from jaxgpt.train.checkpoint import load_newest
+
+    encoding = train_encoding(" ".join(WORDS * 20) + "\nAnswer: 0123456789.,;", 100)
+    gpt = dict(sequence_len=T, vocab_size=encoding.n_vocab, n_layer=4, n_head=4, n_kv_head=2, n_embd=64,
+               window_pattern="SSSL")
+    model = random_gpt(gpt, 5)
+    tasks = [{"label": "mc_zeroshot", "type": "multiple_choice", "shots": 0, "baseline": 25.0,
+              "examples": make_examples("multiple_choice", 40, 1)},
+             {"label": "mc_2shot", "type": "multiple_choice", "shots": 2, "delimiter": "\nAnswer: ", "baseline": 30.0,
+              "examples": make_examples("multiple_choice", 30, 2)},
+             {"label": "schema_1shot", "type": "schema", "shots": 1, "baseline": 50.0,
+              "examples": make_examples("schema", 40, 4)},
+             {"label": "lm_zeroshot", "type": "language_modeling", "shots": 0, "baseline": 0.0,
+              "examples": make_examples("language_modeling", 30, 3)},
+             {"label": "lm_2shot", "type": "language_modeling", "shots": 2, "baseline": 0.0,
+              "examples": make_examples("language_modeling", 30, 5)}]
+    with tempfile.TemporaryDirectory() as tmp:
+        base = Path(tmp) / "base"
+        (base / "tokenizer").mkdir(parents=True)
+        (base / "tokenizer" / "tokenizer.pkl").write_bytes(pickle.dumps(encoding))
+        save_checkpoint(str(base / "base_checkpoints" / "d4"), 900, model.state_dict(), None,
+                        {"step": 900, "model_config": gpt})
+        bundle = write_bundle(base / "eval_bundle", tasks)
+        os.environ["NANOCHAT_BASE_DIR"] = str(base)
+        theirs, tokenizer, _ = load_model("base", torch.device("cpu"), phase="eval")
+        theirs.max_seq_len = T  # core_eval crops a model that has one
+        # Each example, as nanochat's scorer decides it and as jaxgpt's does.
+        run = Path(tmp) / "run"
+        assert jaxgpt_main(["import-nanochat", str(base / "base_checkpoints" / "d4"), "--out", str(run)]) == 0
+        cfg, params, _ = load_newest(run)
+        ours_tokenizer = Tokenizer.load(run / "tokenizer.json")
+        differing, examples_seen, cropped = {}, 0, 0
+        for task in core.load_bundle(bundle):
+            data = list(task.data)
+            random.Random(1337).shuffle(data)
+            meta = {"task_type": task.kind, "num_fewshot": task.num_fewshot, "continuation_delimiter": task.delimiter}
+            want = [evaluate_example(i, theirs, tokenizer, data, "cpu", meta) for i in range(len(data))]
+            rows = core.task_examples(task, ours_tokenizer.encode_many, ours_tokenizer.bos_id, T)
+            cropped += sum(len(r) == T for e in rows for r in e.rows)
+            pairs = [(r[:s], r[s:]) for e in rows for r, s in zip(e.rows, e.starts)]
+            answers = iter(score_pairs(params, cfg, pairs, batch_size=16, vocab_limit=ours_tokenizer.vocab_size))
+            got = [core.is_correct(e, [next(answers) for _ in e.rows]) for e in rows]
+            differing[task.label] = sum(a != b for a, b in zip(got, want))
+            examples_seen += len(data)
+        # The whole score: nanochat's base_eval against the command.
+        spec = importlib.util.spec_from_file_location("nanochat_base_eval", Path(source) / "scripts" / "base_eval.py")
+        with contextlib.redirect_stdout(io.StringIO()):
+            base_eval = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(base_eval)
+            reference = base_eval.evaluate_core(theirs, tokenizer, "cpu")
+            assert jaxgpt_main(["eval", "--run", str(run), "--core", str(bundle)]) == 0
+        ours = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    return {"examples": examples_seen, "rows_cut_to_the_context": cropped, "examples_decided_apart": differing,
+            "nanochat_core": reference["core_metric"], "jaxgpt_core": ours["core"],
+            "accuracies": {label: [reference["results"][label], ours[f"{label}/accuracy"]]
+                           for label in reference["results"]}}
 
 
 if __name__ == "__main__":

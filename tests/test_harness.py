@@ -14,6 +14,7 @@ from pathlib import Path
 import jax
 import pytest
 from conftest import xla_flags
+from core_reference import make_examples, write_bundle
 from test_metrics import read_scalars
 from test_train import write_corpus
 
@@ -55,13 +56,19 @@ def offline():
 
 @pytest.fixture(scope="module")
 def trained(offline, tmp_path_factory):
-    """A tiny run with train.eval_tasks every 4 of 12 steps, killed during the tasks at step 8 and
-    resumed; then exported, and loaded by both backends."""
+    """A tiny run with train.eval_tasks every 4 of 12 steps and CORE every 6, killed during the
+    tasks at step 8 and resumed; then exported, and loaded by both backends."""
     from lm_eval.models.huggingface import HFLM
 
     folder = tmp_path_factory.mktemp("harness")
     corpus, run, hf_dir = write_corpus(folder / "corpus.txt"), folder / "run", folder / "hf"
-    cfg = load_config(None, [*SETS, f"data.source={json.dumps(str(corpus))}"])
+    bundle = write_bundle(folder / "bundle", [
+        {"label": "mc", "type": "multiple_choice", "shots": 1, "examples": make_examples("multiple_choice", 6, 0),
+         "baseline": 25.0},
+        {"label": "lm", "type": "language_modeling", "shots": 0, "examples": make_examples("language_modeling", 4, 1),
+         "baseline": 0.0}])
+    cfg = load_config(None, [*SETS, f"data.source={json.dumps(str(corpus))}", "train.core_every=6",
+                             f"train.core_bundle={json.dumps(str(bundle))}"])
     real_run, ran = tasks_module.TrainingTasks.run, []
 
     def killed_at_8(self, params, model, step):
@@ -83,7 +90,7 @@ def trained(offline, tmp_path_factory):
     ours = harness.HarnessLM(cfg, params, Tokenizer.load(run / "tokenizer.json"), progress=False, step=step)
     theirs = HFLM(pretrained=str(hf_dir), device="cpu", dtype="float32", batch_size=harness.DEFAULT_BATCH_SIZE)
     assert ours.text_tokenizer.vocab_size == ours.cfg.vocab_size  # one softmax over the same ids in both
-    return run, records, ours, theirs, ran
+    return run, records, ours, theirs, ran, bundle
 
 
 def requests(kind, arguments):
@@ -96,7 +103,7 @@ WORDS = "the dog ran to the cat and it was red and the cat sat on a mat and the 
 
 
 def test_loglikelihoods_and_greedy_flags_equal_the_hf_backends(trained, monkeypatch):
-    _, _, ours, theirs, _ = trained
+    _, _, ours, theirs, _, _ = trained
     one_token = next(w for w in (" a", " the", " cat") if len(ours.tok_encode(w)) == 1)
     pairs = [(" ".join((WORDS * 2)[:k]), c) for k in range(1, 2 * len(WORDS) + 1)
              for c in (one_token, " sat on the mat")]
@@ -125,7 +132,7 @@ def test_loglikelihoods_and_greedy_flags_equal_the_hf_backends(trained, monkeypa
 
 
 def test_rolling_loglikelihoods_equal_the_hf_backends(trained):
-    _, _, ours, theirs, _ = trained
+    _, _, ours, theirs, _, _ = trained
     texts = ["", "the", " ".join(WORDS), " ".join(WORDS * 4) + "."]
     assert len(ours.tok_encode(texts[-1])) > 2 * ours.max_length  # several windows
     got = ours.loglikelihood_rolling(requests("loglikelihood_rolling", [(t,) for t in texts]))
@@ -135,7 +142,7 @@ def test_rolling_loglikelihoods_equal_the_hf_backends(trained):
 
 
 def test_generations_equal_the_hf_backends(trained):
-    _, _, ours, theirs, _ = trained
+    _, _, ours, theirs, _, _ = trained
     greedy = {"until": ["."], "max_gen_toks": 8, "do_sample": False}
     other = {"until": [" mat", "\n"], "max_gen_toks": 12}
     contexts = ["the cat sat on the", "it was", "a", " ".join(WORDS * 2)]  # the last is cut to 32 - 8 tokens
@@ -154,7 +161,7 @@ def test_generations_equal_the_hf_backends(trained):
 def test_task_metrics_equal_the_hf_backends(trained):
     """Multiple choice (acc, acc_norm), rolling (word and byte perplexity, bits per byte) and
     generation (exact match), through the harness's own evaluator on both backends."""
-    _, _, ours, theirs, _ = trained
+    _, _, ours, theirs, _, _ = trained
     names = [CHOICE, ROLLING, UNTIL]
     manager = tasks_module.task_manager(names, TASKS)
     got, want = (tasks_module.run_tasks(lm, names, manager=manager, bootstrap_iters=0)["results"] for lm in (ours, theirs))
@@ -167,13 +174,20 @@ def test_task_metrics_equal_the_hf_backends(trained):
 
 
 def test_train_eval_tasks_log_at_the_steps_asked_across_a_kill_and_a_resume(trained):
-    run, records, _, _, ran = trained
+    run, all_records, ours, _, ran, bundle = trained
     assert ran == [4, 8, 8, 12]  # the kill at 8 came before step 8's checkpoint: the resume redid the step
-    records = [r for r in records if r["type"] == "eval_tasks"]
+    records = [r for r in all_records if r["type"] == "eval_tasks"]
     assert [r["step"] for r in records] == [4, 8, 12]
     assert all(0 <= r[f"{CHOICE}/acc"] <= 1 and r["samples"] == {CHOICE: 5} for r in records)
     scalars = read_scalars(run / "tensorboard")
     assert all((f"eval_tasks/{CHOICE}/acc_norm", step) in scalars for step in (4, 8, 12))
+    # CORE, every 6 steps: once each step across the kill, the last what `eval --core` gives the run.
+    from jaxgpt.evaluation.core import evaluate_core, load_bundle
+
+    cores = [r for r in all_records if r["type"] == "core"]
+    assert [r["step"] for r in cores] == [6, 12] and ("core/core", 12) in scalars
+    want = evaluate_core(ours.params, ours.cfg, ours.text_tokenizer, load_bundle(bundle), progress=False)
+    assert cores[-1]["core"] == want["core"] and cores[-1]["mc/accuracy"] == want["tasks"]["mc"]["accuracy"]
 
 
 def test_a_task_whose_file_is_missing_stops_training_before_its_first_step(offline, tmp_path, capsys):
@@ -192,7 +206,7 @@ def test_a_task_whose_file_is_missing_stops_training_before_its_first_step(offli
 
 
 def test_a_process_other_than_the_writer_waits_and_runs_nothing(trained, monkeypatch):
-    _, _, ours, _, _ = trained
+    _, _, ours, _, _, _ = trained
     tasks = tasks_module.TrainingTasks(load_config(None, SETS).train, ours.text_tokenizer)
     waited = []
     monkeypatch.setattr(tasks_module.distributed, "is_writer", lambda: False)
@@ -203,7 +217,7 @@ def test_a_process_other_than_the_writer_waits_and_runs_nothing(trained, monkeyp
 
 
 def test_cli_writes_the_table_the_json_and_the_record_at_the_checkpoints_step(trained, tmp_path, capsys):
-    run, records, _, _, _ = trained
+    run, records, _, _, _, _ = trained
     out = tmp_path / "results.json"
     assert main(["eval", "--run", str(run), "--tasks", CHOICE, "--include-path", str(TASKS), "--out", str(out)]) == 0
     table = capsys.readouterr().out
@@ -226,7 +240,7 @@ def test_cli_writes_the_table_the_json_and_the_record_at_the_checkpoints_step(tr
     (["--limit", "3"], "--limit applies to harness tasks: name them with --tasks"),
 ])
 def test_bad_input_is_one_line(trained, args, message, tmp_path, capsys):
-    run, _, _, _, _ = trained
+    run, _, _, _, _, _ = trained
     (tmp_path / "broken").mkdir()
     (tmp_path / "broken" / "broken.yaml").write_text("task: [unclosed\n")
     (tmp_path / "empty").mkdir()
@@ -245,7 +259,7 @@ def test_a_run_without_a_checkpoint_is_one_line(offline, tmp_path, capsys):
 
 
 def test_without_the_harness_eval_names_the_extra(trained, monkeypatch, capsys):
-    run, _, _, _, _ = trained
+    run, _, _, _, _, _ = trained
     monkeypatch.delitem(sys.modules, "jaxgpt.evaluation.harness")
     monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None if name == "lm_eval" else object())
     assert main(["eval", "--run", str(run), "--tasks", CHOICE]) == 2
@@ -269,7 +283,7 @@ sys.exit(main(sys.argv[1:]))
 def test_the_command_runs_without_torch_or_transformers(trained):
     """`jaxgpt eval --tasks` in a fresh process where PyTorch and transformers cannot be imported,
     as with `pip install 'jaxgpt[eval]'`: the harness's table."""
-    run, _, _, _, _ = trained
+    run, _, _, _, _, _ = trained
     env = {**os.environ, **OFFLINE, "XLA_FLAGS": xla_flags(1)}
     result = subprocess.run([sys.executable, "-c", WITHOUT_TORCH, "eval", "--run", str(run), "--tasks", UNTIL,
                              "--include-path", str(TASKS), "--limit", "2"], cwd=ROOT, env=env, capture_output=True,

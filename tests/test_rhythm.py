@@ -18,7 +18,9 @@ def test_each_moment_comes_at_its_multiples_and_after_the_last_step():
 def test_tasks_keep_their_own_rhythm_and_a_stop_saves_where_it_is():
     train = load_config(None, ["train.steps=30", "train.eval_every=10", "train.eval_tasks_every=15",
                                "train.checkpoint_every=100"]).train
-    rhythm = Rhythm.of(train, tasks=True)
-    assert [d for d in range(1, 31) if rhythm.at(d).tasks] == [15, 30]
+    assert train.core_every == 10  # CORE's, unset, is the val loss's
+    rhythm = Rhythm.of(train, tasks=(train.eval_tasks_every, 4))  # harness tasks and CORE, each its own
+    assert [d for d in range(1, 31) if rhythm.at(d).tasks[0]] == [15, 30]
+    assert [d for d in range(1, 31) if rhythm.at(d).tasks[1]] == [4, 8, 12, 16, 20, 24, 28, 30]
     assert not rhythm.at(7).checkpoint and rhythm.at(7, stopping=True).checkpoint
     assert rhythm.at(7, stopping=True)._replace(checkpoint=False) == rhythm.at(7)  # the stop moves nothing else

@@ -142,6 +142,12 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    if args.core is not None and args.tasks is not None:
+        raise UserError("--core and --tasks are two evaluations: run one at a time")
+    if args.max_per_task is not None and args.core is None:
+        raise UserError("--max-per-task applies to CORE: name its bundle with --core")
+    if args.core is not None:
+        return _eval_core(args)
     if args.tasks is not None:
         return _eval_tasks(args)
     harness_only = [flag for flag, value in (("--include-path", args.include_path), ("--limit", args.limit),
@@ -206,6 +212,41 @@ def _eval_tasks(args: argparse.Namespace) -> int:
         from jaxgpt.runs.rundir import write_atomic
 
         write_atomic(args.out, results_json(results))
+    return 0
+
+
+def _eval_core(args: argparse.Namespace) -> int:
+    """CORE on the run's newest good checkpoint: the tasks' progress on stderr, the JSON result
+    the last line of stdout, a core record in the run's metrics and trackers."""
+    unused = [flag for flag, value in (("--data", args.data), ("--batches", args.batches),
+              ("--include-path", args.include_path), ("--limit", args.limit), ("--num-fewshot", args.num_fewshot),
+              ("--out", args.out)) if value is not None]
+    if unused:
+        raise UserError(f"{unused[0]} does not apply to CORE (--core BUNDLE_DIR [--max-per-task N] [--batch-size N])")
+    if args.max_per_task is not None and args.max_per_task < 1:
+        raise UserError(f"--max-per-task {args.max_per_task}: at least one example per task")
+    if args.batch_size is not None and args.batch_size < 1:
+        raise UserError(f"--batch-size {args.batch_size}: at least one row per batch")
+    from jaxgpt.data.tokenizer import Tokenizer
+    from jaxgpt.evaluation.core import DEFAULT_BATCH_SIZE, core_record, evaluate_core, load_bundle, local_mesh
+    from jaxgpt.runs.metrics import MetricsWriter
+    from jaxgpt.runs.trackers import TrackerContext, open_trackers, require
+    from jaxgpt.train.checkpoint import load_newest, load_run_config
+
+    run_cfg = load_run_config(args.run)
+    require(run_cfg.train.trackers)
+    tasks = load_bundle(args.core)  # before the checkpoint is read: a bad bundle costs nothing
+    cfg, params, step = load_newest(args.run)
+    result = evaluate_core(params, cfg, Tokenizer.load(RunDir(args.run).tokenizer), tasks,
+                           max_per_task=args.max_per_task or 0, documents=run_cfg.data.document_mask,
+                           mesh=local_mesh(),
+                           batch_size=DEFAULT_BATCH_SIZE if args.batch_size is None else args.batch_size)
+    for label, values in result["tasks"].items():
+        print(f"{label:<35} accuracy {values['accuracy']:.4f}  centered {values['centered']:.4f}", file=sys.stderr)
+    context = TrackerContext(Path(args.run), run_cfg, start_step=step, resumed=True, attach=True)
+    with MetricsWriter(Path(args.run), trackers=open_trackers(context)) as writer:
+        writer.write(core_record(result, step))
+    print(json.dumps(result))
     return 0
 
 

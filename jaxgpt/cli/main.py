@@ -121,10 +121,11 @@ def build_parser() -> argparse.ArgumentParser:
                          "tokenizer.json the tokenizer, under --config and --set")
     tr.set_defaults(func=cmd_train, handles_signals=True)
 
-    ev = _command(sub, "eval", "a run's validation loss, or lm-evaluation-harness tasks",
+    ev = _command(sub, "eval", "a run's val loss, harness tasks or CORE",
                   "Validation loss, perplexity and bits per byte of a run's newest checkpoint (JSON); with "
                   "--tasks, lm-evaluation-harness tasks on it (pip install 'jaxgpt[eval]'): the harness's "
-                  "table, an eval_tasks record in the run's metrics")
+                  "table, an eval_tasks record in the run's metrics; with --core, nanochat's CORE score on "
+                  "an eval bundle (JSON, a core record in the run's metrics)")
     ev.add_argument("--run", required=True, help="a run directory")
     ev.add_argument("--data", help="evaluate on another data source with the run's tokenizer")
     ev.add_argument("--batches", type=int, help="number of val batches (default: train.eval_batches)")
@@ -138,6 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--batch-size", type=int, metavar="N",
                     help="requests per forward pass (default: 16)")
     ev.add_argument("--out", metavar="FILE", help="also write the harness's results as JSON to FILE")
+    ev.add_argument("--core", metavar="BUNDLE_DIR",
+                    help="score CORE on nanochat's eval bundle (core.yaml, eval_data/, eval_meta_data.csv)")
+    ev.add_argument("--max-per-task", type=int, metavar="N",
+                    help="CORE: the first N examples of each task after its shuffle (default: all)")
     ev.set_defaults(func=cmd_eval)
 
     gen = _command(sub, "generate", "sample text from a run, streamed as it is produced")

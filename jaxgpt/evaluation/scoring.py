@@ -26,13 +26,16 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxgpt.config import ModelConfig
 from jaxgpt.errors import UserError
+from jaxgpt.kernels.base import Kernels
 from jaxgpt.kernels.choose import choose_kernels
 from jaxgpt.model.decoder import Params, document_segments, forward, forward_cached, init_cache
 from jaxgpt.process.dispatch import InFlight
@@ -65,6 +68,10 @@ def continuation_widths(context_length: int) -> tuple[int, ...]:
     return tuple(w for w in CONTINUATION_WIDTHS if w <= context_length)
 
 
+def _multiple(n: int, of: int) -> int:
+    return -(-n // of) * of
+
+
 def _narrowest(widths: Sequence[int], length: int) -> int:
     return next(w for w in widths if w >= length)
 
@@ -80,22 +87,28 @@ def _sums(logits_BWV: jax.Array, targets_BW: jax.Array, scored_BW: jax.Array, vo
     return jnp.where(scored_BW, logp_BW, 0.0).sum(axis=-1), (greedy_BW | ~scored_BW).all(axis=-1)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "vocab_limit", "document_token"))
+def _kernels(cfg: ModelConfig, mesh: Mesh | None) -> Kernels:
+    """The model's kernels; on a mesh, each device runs them on its share of the rows."""
+    return choose_kernels(cfg) if mesh is None else choose_kernels(cfg).on_mesh(mesh)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "vocab_limit", "document_token", "mesh"))
 def _score_rows(params: Params, tokens_BW: jax.Array, targets_BW: jax.Array, scored_BW: jax.Array, *,
-                cfg: ModelConfig, vocab_limit: int, document_token: int | None = None) -> tuple[jax.Array, jax.Array]:
+                cfg: ModelConfig, vocab_limit: int, document_token: int | None = None,
+                mesh: Mesh | None = None) -> tuple[jax.Array, jax.Array]:
     segment_ids = None if document_token is None else document_segments(tokens_BW, document_token)
-    logits_BWV = forward(params, cfg, tokens_BW, kernels=choose_kernels(cfg), segment_ids=segment_ids)
+    logits_BWV = forward(params, cfg, tokens_BW, kernels=_kernels(cfg, mesh), segment_ids=segment_ids)
     return _sums(logits_BWV, targets_BW, scored_BW, vocab_limit)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "vocab_limit"))
+@functools.partial(jax.jit, static_argnames=("cfg", "vocab_limit", "mesh"))
 def _score_shared(params: Params, prefix_PW: jax.Array, prefix_length_P: jax.Array, tokens_BX: jax.Array,
                   targets_BX: jax.Array, scored_BX: jax.Array, owner_B: jax.Array, *, cfg: ModelConfig,
-                  vocab_limit: int) -> tuple[jax.Array, jax.Array]:
+                  vocab_limit: int, mesh: Mesh | None = None) -> tuple[jax.Array, jax.Array]:
     """Rows whose first `prefix_length` tokens are those of prefix row `owner`: the prefixes are
     run once into a cache (their logits, unused, are left out by the compiler), then each row's
     own tokens read its prefix's first `prefix_length` cached positions."""
-    kernels = choose_kernels(cfg)
+    kernels = _kernels(cfg, mesh)
     (P, W), X = prefix_PW.shape, tokens_BX.shape[1]
     # As long as the prefix and the rows' own tokens: the cache is written, though never read, past the prefix.
     empty = init_cache(cfg, P, max(W, X))
@@ -127,9 +140,12 @@ class _Batches:
     """The batches of one call, built on the host and sent to the device as they are made."""
 
     def __init__(self, params: Params, cfg: ModelConfig, batch_size: int, vocab_limit: int,
-                 document_token: int | None) -> None:
-        self.params, self.cfg, self.B, self.vocab_limit = params, cfg, batch_size, vocab_limit
-        self.document_token = document_token
+                 document_token: int | None, mesh: Mesh | None = None) -> None:
+        self.devices = 1 if mesh is None else mesh.size  # every batch splits evenly over the mesh
+        self.params, self.cfg, self.vocab_limit = params, cfg, vocab_limit
+        self.B, self.document_token, self.mesh = _multiple(batch_size, self.devices), document_token, mesh
+        if mesh is not None:
+            self.params = jax.device_put(params, NamedSharding(mesh, PartitionSpec()))
         S = cfg.context_length
         self.widths, self.prefix_widths, self.continuation_widths = score_widths(S), coarse_widths(S), \
             continuation_widths(S)
@@ -147,15 +163,22 @@ class _Batches:
                 tokens[r, :L], targets[r, :L] = whole[:-1], whole[1:]
                 scored[r, L - n: L] = True
             self.sent.append(([indices[j] for j in batch], self.window.add(_score_rows(
-                self.params, tokens, targets, scored, cfg=self.cfg, vocab_limit=self.vocab_limit,
-                document_token=self.document_token))))
+                self.params, *self._split(tokens, targets, scored), cfg=self.cfg, vocab_limit=self.vocab_limit,
+                document_token=self.document_token, mesh=self.mesh))))
+
+    def _split(self, *arrays: np.ndarray) -> tuple[Any, ...]:
+        """The arrays as they go to the device: on a mesh, their rows split over its devices."""
+        if self.mesh is None:
+            return arrays
+        rows = NamedSharding(self.mesh, PartitionSpec(self.mesh.axis_names))
+        return tuple(jax.device_put(a, rows) for a in arrays)
 
     def shared(self, pairs: Sequence[Pair], groups: list[list[int]]) -> None:
         """Groups of pair indices with one context each, at most `batch_size` per group. All
         continuations take the one width that holds the longest, each block of contexts the
         narrowest coarse width that holds its longest: a few compiles, whatever the lengths."""
         B = self.B
-        P = max(1, B // int(np.median([len(g) for g in groups])))  # contexts per batch
+        P = _multiple(max(1, B // int(np.median([len(g) for g in groups]))), self.devices)  # contexts per batch
         X = _narrowest(self.continuation_widths, max(len(pairs[i][1]) for g in groups for i in g))
         block: list[list[int]] = []
         for group in sorted(groups, key=lambda g: -len(pairs[g[0]][0])):
@@ -181,17 +204,19 @@ class _Batches:
                 scored[r, :n], owner[r] = True, p
                 members.append(i)
         self.sent.append((members, self.window.add(_score_shared(
-            self.params, prefix, prefix_length, tokens, targets, scored, owner, cfg=self.cfg,
-            vocab_limit=self.vocab_limit))))
+            self.params, *self._split(prefix, prefix_length, tokens, targets, scored, owner), cfg=self.cfg,
+            vocab_limit=self.vocab_limit, mesh=self.mesh))))
 
 
 def score_pairs(params: Params, cfg: ModelConfig, pairs: Sequence[Pair], *, batch_size: int,
                 vocab_limit: int | None = None, progress: Callable[[list], Iterator] | None = None,
-                document_token: int | None = None) -> list[tuple[float, bool]]:
+                document_token: int | None = None, mesh: Mesh | None = None) -> list[tuple[float, bool]]:
     """(summed log-probability, greedy) of each (context, continuation) pair of token ids; a
     context holds at least one token. `vocab_limit` leaves ids from it on out of the softmax and
     the argmax; `progress` wraps the batches as they are read back (a progress bar);
-    `document_token`: the id that opens a document, for a model trained with document masks."""
+    `document_token`: the id that opens a document, for a model trained with document masks;
+    `mesh`: the devices each batch's rows are split over (its size rounds the batch up), the
+    params copied to each."""
     S = cfg.context_length
     for context, continuation in pairs:
         if not context:
@@ -207,7 +232,8 @@ def score_pairs(params: Params, cfg: ModelConfig, pairs: Sequence[Pair], *, batc
             by_context.setdefault(tuple(context), []).append(i)
     groups = [g[k: k + batch_size] for g in by_context.values() if len(g) > 1 for k in range(0, len(g), batch_size)]
     in_groups = {i for g in groups for i in g}
-    batches = _Batches(params, cfg, batch_size, cfg.vocab_size if vocab_limit is None else vocab_limit, document_token)
+    batches = _Batches(params, cfg, batch_size, cfg.vocab_size if vocab_limit is None else vocab_limit,
+                       document_token, mesh)
     batches.rows(pairs, [i for i in range(len(pairs)) if i not in in_groups])
     if groups:
         batches.shared(pairs, groups)

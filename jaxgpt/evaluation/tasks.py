@@ -159,6 +159,7 @@ class TrainingTasks:
     its first step, everywhere); one process runs the tasks while the others wait."""
 
     def __init__(self, train: TrainConfig, tokenizer: Tokenizer, *, documents: bool = False) -> None:
+        self.every = train.eval_tasks_every
         self.names = names_list(train.eval_tasks, "train.eval_tasks")
         self.limit = train.eval_tasks_limit or None  # when they run: `jaxgpt.train.rhythm`
         check_tokenizer(tokenizer)
@@ -169,13 +170,7 @@ class TrainingTasks:
 
     def run(self, params: Params, cfg: ModelConfig, step: int) -> dict[str, Any]:
         """The step's eval_tasks record on the writer; on the other processes a record without numbers."""
-        if jax.process_count() > 1:  # a collective: every process hands over its shards
-            from jax.experimental import multihost_utils
-
-            # Arrays spread over the processes' devices are gathered whole; a process's own copy
-            # (pmap's, unreplicated) is already whole.
-            params = jax.tree.map(lambda x: multihost_utils.process_allgather(x, tiled=True)
-                                  if isinstance(x, jax.Array) and not x.is_fully_addressable else x, params)
+        params = distributed.whole_on_each_process(params)
         record: dict[str, Any] = {"type": "eval_tasks", "step": step}
         if distributed.is_writer():
             lm = HarnessLM(cfg, params, self.tokenizer, progress=False, step=step, documents=self.documents)

@@ -100,6 +100,17 @@ def barrier(name: str) -> None:
 WRITER_WORK_S = 6 * 3600
 
 
+def whole_on_each_process(params: Any) -> Any:
+    """`params` whole on every process: a collective where they are spread over the processes'
+    devices (every process calls it); a process's own copy (pmap's, unreplicated) is whole already."""
+    if jax.process_count() == 1:
+        return params
+    from jax.experimental import multihost_utils
+
+    return jax.tree.map(lambda x: multihost_utils.process_allgather(x, tiled=True)
+                        if isinstance(x, jax.Array) and not x.is_fully_addressable else x, params)
+
+
 def wait_for_writer(name: str) -> None:
     """Wait until every process, the writer among them, reaches `name` (a name used once), for up
     to WRITER_WORK_S: the coordination service's barrier, which Orbax's checkpoints use too, not a

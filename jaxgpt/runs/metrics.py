@@ -1,6 +1,6 @@
 """Run metrics: the JSONL writer (and its trackers), the JSONL reader, loss plots, tokens/s.
 
-A record is a JSON object with a `type` (train, eval, eval_tasks, sample, summary) and a `step`.
+A record is a JSON object with a `type` (train, eval, eval_tasks, core, sample, summary) and a `step`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from jaxgpt.errors import UserError
 from jaxgpt.runs.rundir import RunDir, atomic_file, write_atomic
 from jaxgpt.runs.trackers import TensorBoardTracker, Tracker
 
-RECORD_TYPES = ("train", "eval", "eval_tasks", "sample", "summary")
+RECORD_TYPES = ("train", "eval", "eval_tasks", "core", "sample", "summary")
 
 
 def _plain(value: Any) -> Any:

@@ -3,7 +3,7 @@
     runs/a/
       config.toml      the resolved config, written before the first step
       tokenizer.json   the run's tokenizer (a resumed run keeps it)
-      metrics.jsonl    one JSON record per line: train, eval, eval_tasks, sample, summary
+      metrics.jsonl    one JSON record per line: train, eval, eval_tasks, core, sample, summary
       checkpoints/     Orbax checkpoints, one folder per saved step
       tensorboard/     TensorBoard event files of the metrics' numbers
       wandb/, wandb.json  with train.trackers = ["wandb"]: W&B's folder, the ids of the run's W&B runs

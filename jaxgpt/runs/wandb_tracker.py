@@ -32,7 +32,7 @@ from jaxgpt.runs.trackers import TrackerContext, numbers
 INIT_TIMEOUT_S = 30.0
 FINISH_TIMEOUT_S = 30.0
 STATE = "wandb.json"  # in the run directory: {"group": ..., "runs": [{"id": ..., "resumed_from_step": ...}]}
-HISTORY_TYPES = ("train", "eval", "sample", "eval_tasks")
+HISTORY_TYPES = ("train", "eval", "sample", "eval_tasks", "core")
 
 
 def note(what: str, err: BaseException) -> None:
@@ -73,8 +73,9 @@ class WandbTracker:
         self.logged_through = logged_through  # steps up to this one are already in the W&B run
         self.attached = attached
         if attached:  # W&B's own step is the run's last; these records chart against their own
-            run.define_metric("eval_tasks/step")
-            run.define_metric("eval_tasks/*", step_metric="eval_tasks/step")
+            for kind in ("eval_tasks", "core"):
+                run.define_metric(f"{kind}/step")
+                run.define_metric(f"{kind}/*", step_metric=f"{kind}/step")
 
     def write(self, record: dict[str, Any]) -> None:
         if record["type"] == "summary":

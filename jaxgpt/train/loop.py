@@ -36,7 +36,9 @@ from jaxgpt.train.runtime import Runtime, make_runtime
 from jaxgpt.train.step import TrainState
 
 if TYPE_CHECKING:  # imported when a run asks for tasks: the harness is an extra
+    from jaxgpt.evaluation.core import TrainingCore
     from jaxgpt.evaluation.tasks import TrainingTasks
+
 
 class TrainingDiverged(UserError):
     """The loss became NaN or infinite."""
@@ -157,11 +159,15 @@ def _train(cfg: RunConfig, out_dir: str | Path, *, resume: bool, force: bool, pr
         print(f"note: the char tokenizer has {data.tokenizer.vocab_size} tokens (the corpus's distinct "
               f"characters and the end-of-text token); model.vocab_size = {cfg.model.vocab_size} leaves "
               f"{cfg.model.vocab_size - data.tokenizer.vocab_size} embedding rows unused", file=sys.stderr)
-    tasks = None
-    if cfg.train.eval_tasks:  # checked here: an unknown task stops the run before anything is written
+    tasks: list[TrainingTasks | TrainingCore] = []  # checked here: a bad one stops the run before anything is written
+    if cfg.train.eval_tasks:
         from jaxgpt.evaluation.tasks import TrainingTasks
 
-        tasks = TrainingTasks(cfg.train, data.tokenizer, documents=cfg.data.document_mask)
+        tasks.append(TrainingTasks(cfg.train, data.tokenizer, documents=cfg.data.document_mask))
+    if cfg.train.core_bundle:
+        from jaxgpt.evaluation.core import TrainingCore
+
+        tasks.append(TrainingCore(cfg.train, data.tokenizer, documents=cfg.data.document_mask))
     signals.check()
     runtime = make_runtime(cfg)
     if init_from is not None and not (resume and has_checkpoints):
@@ -212,7 +218,8 @@ def _check_out_dir(run_dir: Path) -> None:
 
 def _loop(cfg: RunConfig, run_dir: Path, data: RunData, state: TrainState, runtime: Runtime,
           checkpointer: Checkpointer, expected: dict[str, Any], stop: signals.StopRequest, progress: bool,
-          main_process: bool, tasks: TrainingTasks | None, clock: Startup, trackers: TrackerContext) -> dict[str, Any]:
+          main_process: bool, tasks: list[TrainingTasks | TrainingCore], clock: Startup,
+          trackers: TrackerContext) -> dict[str, Any]:
     start, total = int(runtime.to_saved(state).step), cfg.train.steps
     tokens_per_step = cfg.train.batch_size * cfg.model.context_length
     n_params = count_params(runtime.params(state))
@@ -222,7 +229,7 @@ def _loop(cfg: RunConfig, run_dir: Path, data: RunData, state: TrainState, runti
     last_eval: dict[str, float] = {}
     throughput = Throughput()
     vote = distributed.StopVote(runtime.mesh)  # every process stops after the same step
-    rhythm = Rhythm.of(cfg.train, tasks=tasks is not None)
+    rhythm = Rhythm.of(cfg.train, tasks=tuple(t.every for t in tasks))
     if main_process:
         layout = runtime.describe(state)
         print(f"{layout['mode']} on {layout['devices']} device(s)"
@@ -252,7 +259,7 @@ def _loop(cfg: RunConfig, run_dir: Path, data: RunData, state: TrainState, runti
             done = step + 1
             stopping = vote.vote(stop.received or 0)
             now = rhythm.at(done, stopping=bool(stopping))
-            if now.eval or now.checkpoint or now.tasks:  # never evaluate or save a state whose loss was not checked
+            if now.eval or now.checkpoint or any(now.tasks):  # never evaluate or save a state whose loss was not checked
                 train_loss = _log_step(pending, cfg, rhythm, writer, bar, throughput, run_dir, last_saved)
                 pending = None
             if now.eval:
@@ -265,11 +272,12 @@ def _loop(cfg: RunConfig, run_dir: Path, data: RunData, state: TrainState, runti
                     bar.write(f"step {done}: val loss {last_eval['val_loss']:.4f}, "
                               f"{last_eval['val_bits_per_byte']:.4f} bits/byte", file=sys.stderr)
                 throughput.reset()
-            if now.tasks:  # before the step's checkpoint: a run killed meanwhile redoes the step, tasks and all
-                record = tasks.run(runtime.params(state), cfg.model, done)
+            for evaluation in (t for t, due in zip(tasks, now.tasks) if due):
+                # before the step's checkpoint: a run killed meanwhile redoes the step, tasks and all
+                record = evaluation.run(runtime.params(state), cfg.model, done)
                 writer.write(record)
                 if main_process:
-                    bar.write(tasks.summary(record), file=sys.stderr)
+                    bar.write(evaluation.summary(record), file=sys.stderr)
                 throughput.reset()
             if now.checkpoint:
                 checkpointer.save(runtime.to_saved(state), expected)
