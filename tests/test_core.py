@@ -202,3 +202,31 @@ def test_the_rows_keep_the_context_s_last_tokens():
     with pytest.raises(UserError, match="encode alike"):
         core.example_rows("multiple_choice", [[9, 1, 2], [9, 1, 2]], 0, 8)
 
+
+def test_the_d24_config_is_nanochats_speedrun_model_and_schedule():
+    """experiments/nanochat_d24.toml: nanochat's d24 (its GPTConfig through the import's own
+    mapping), its optimizer preset, 2^19 tokens a step for 8 tokens per scaling parameter (the
+    blocks' matrices and the head, counted on the rebuild) and base_train.py's decay for them;
+    experiments/nanochat_cpu.toml: its depth-4 model and the same preset."""
+    from pathlib import Path
+
+    from jaxgpt.config import load_config
+    from jaxgpt.nanochat import TRAIN_OVERRIDES, model_config
+
+    cfg = load_config(Path(__file__).resolve().parents[1] / "experiments" / "nanochat_d24.toml")
+    gpt = {"sequence_len": 2048, "vocab_size": 32768, "n_layer": 24, "n_head": 12, "n_kv_head": 12, "n_embd": 1536,
+           "window_pattern": "SSSL"}
+    assert cfg.model == model_config(gpt, dtype="bfloat16", remat="full")
+    cpu = load_config(Path(__file__).resolve().parents[1] / "experiments" / "nanochat_cpu.toml")  # runcpu.sh's kind
+    assert cpu.model == model_config({**gpt, "sequence_len": 256, "n_layer": 4, "n_head": 4, "n_kv_head": 4, "n_embd": 256,
+                                      "window_pattern": "L"})
+    preset = load_config(None, [*TRAIN_OVERRIDES, "model.tie_embeddings=false"]).train
+    for run in (cfg, cpu):
+        assert all(getattr(run.train, key.split("=")[0][6:]) == getattr(preset, key.split("=")[0][6:])
+                   for key in TRAIN_OVERRIDES if "weight_decay" not in key)
+    with torch.device("meta"):
+        d24, d12 = (NanochatGPT(32768, 2048, n, c // 128, c // 128, c) for n, c in ((24, 1536), (12, 768)))
+    scaling = [sum(p.numel() for p in m.transformer.h.parameters()) + m.lm_head.weight.numel() for m in (d24, d12)]
+    assert cfg.train.batch_size * cfg.model.context_length == 2**19
+    assert cfg.train.steps == 8 * scaling[0] // 2**19
+    assert cfg.train.weight_decay == pytest.approx(0.28 * scaling[1] / scaling[0], rel=1e-12)

@@ -189,3 +189,37 @@ def test_a_run_without_nanochats_tokenizer_is_refused(nanochat_base, tmp_path):
     with pytest.raises(UserError, match="has no nanochat tokenizer"):
         export_nanochat_run(run, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_run_trained_here_on_nanochats_tokenizer_exports_to_nanochat(nanochat_base, tmp_path):
+    """A nanochat model trained from scratch on nanochat's tokenizer.pkl (data.tokenizer) keeps
+    the pickle and exports: its vocabulary, padded past the tokenizer's, goes out cut to the
+    tokenizer's ids (nanochat refuses a model and tokenizer of two sizes), and nanochat's GPT
+    loaded from the export computes the run's logits over those ids."""
+    import dataclasses
+
+    from jaxgpt.nanochat import TRAIN_OVERRIDES, model_config
+    from jaxgpt.train.loop import train
+
+    base, _, _, encoding, gpt = nanochat_base
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": TEXT[:n]}) + "\n" for n in range(20, 800, 9)), encoding="utf-8")
+    padded = -(-encoding.n_vocab // 64) * 64 + 64  # a row past nanochat's own padding too
+    cfg = load_config(None, [*TRAIN_OVERRIDES, "model.tie_embeddings=false", f"data.source={corpus}",
+                             f"data.tokenizer={base / 'tokenizer' / 'tokenizer.pkl'}", "data.align=bestfit",
+                             "train.steps=2", "train.batch_size=8", "train.eval_every=1000", "train.sample_tokens=0",
+                             "train.warmup_steps=0"])
+    cfg = dataclasses.replace(cfg, model=model_config({**gpt, "vocab_size": padded}))
+    run, out = tmp_path / "run", tmp_path / "exported"
+    train(cfg, run, progress=False)
+    assert (run / "nanochat_tokenizer.pkl").read_bytes() == (base / "tokenizer" / "tokenizer.pkl").read_bytes()
+    export_nanochat_run(run, out)
+    state, meta, step = read_checkpoint(out / "base_checkpoints" / "d3")
+    assert step == 2 and meta["model_config"]["vocab_size"] == encoding.n_vocab
+    ref = NanochatGPT(encoding.n_vocab, T, LAYERS, HEADS, KV, C, "SL")
+    ref.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()})
+    model, params, _ = load_newest(run)
+    tokens = np.array([encoding.encode(TEXT[:200])[:T]])
+    with torch.no_grad():
+        want = ref(torch.from_numpy(tokens)).numpy()
+    np.testing.assert_allclose(np.asarray(forward(params, model, tokens))[..., :encoding.n_vocab], want, atol=1e-4, rtol=0)

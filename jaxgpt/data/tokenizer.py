@@ -151,7 +151,7 @@ class Tokenizer:
     def load(cls, path: str | Path, kind: str = FILE) -> Tokenizer:
         """A tokenizer.json, or a directory holding one or GPT-2's vocab.json + merges.txt, or a
         pickled tiktoken Encoding (nanochat's tokenizer.pkl: `jaxgpt.data.tiktoken_pickle`)."""
-        path = Path(path)
+        path = Path(path).expanduser()
         if path.suffix == ".pkl":
             from jaxgpt.data.tiktoken_pickle import from_encoding, read_encoding
 

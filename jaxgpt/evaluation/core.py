@@ -27,6 +27,7 @@ their context's computation), over every device of `mesh` where one is given.
 from __future__ import annotations
 
 import csv
+import functools
 import json
 import random
 from collections.abc import Callable, Sequence
@@ -286,8 +287,10 @@ def evaluate_core(params: Any, cfg: Any, tokenizer: Any, tasks: Sequence[Task], 
             bar.set_postfix_str(task.label)
             examples = task_examples(task, tokenizer.encode_many, opener, cfg.context_length, max_per_task)
             pairs = [(row[:start], row[start:]) for e in examples for row, start in zip(e.rows, e.starts)]
+            batches = functools.partial(tqdm, desc=task.label, unit="batch", leave=False, disable=not progress)
             answers = iter(score_pairs(params, cfg, pairs, batch_size=batch_size, vocab_limit=vocab_limit,
-                                       document_token=tokenizer.document_token if documents else None, mesh=mesh))
+                                       document_token=tokenizer.document_token if documents else None, mesh=mesh,
+                                       progress=batches))
             right = sum(is_correct(e, [next(answers) for _ in e.rows]) for e in examples)
             accuracy = right / len(examples)
             results[task.label] = {"accuracy": accuracy, "centered": centered(accuracy, task.baseline)}

@@ -28,7 +28,7 @@ from typing import IO
 
 CONFIG = "config.toml"
 TOKENIZER = "tokenizer.json"
-NANOCHAT_TOKENIZER = "nanochat_tokenizer.pkl"  # an imported nanochat run's tokenizer as nanochat stores it
+NANOCHAT_TOKENIZER = "nanochat_tokenizer.pkl"  # nanochat's tokenizer as it stores it: an imported run's, or the one a run trained on
 METRICS = "metrics.jsonl"
 CHECKPOINTS = "checkpoints"
 TENSORBOARD = "tensorboard"

@@ -92,11 +92,27 @@ def import_nanochat_run(checkpoint_dir: str | Path, out_dir: str | Path, step: i
     return run_dir, step
 
 
+def _tokenizer_vocabulary(model: Any, params: Any, vocab_size: int) -> tuple[Any, Any]:
+    """The model and params cut to the tokenizer's `vocab_size` ids (embedding, head and value
+    tables); a vocabulary smaller than the tokenizer's is refused."""
+    if vocab_size > model.vocab_size:
+        raise UserError(f"the run's nanochat tokenizer holds {vocab_size} tokens, more than model.vocab_size = "
+                        f"{model.vocab_size}: not one model's")
+    if vocab_size == model.vocab_size:
+        return model, params
+    cut = dict(params, token_embedding={"embedding": params["token_embedding"]["embedding"][:vocab_size]},
+               lm_head={"kernel": params["lm_head"]["kernel"][:, :vocab_size]})
+    if "value_embeds" in params:
+        cut["value_embeds"] = params["value_embeds"][:, :vocab_size]
+    return dataclasses.replace(model, vocab_size=vocab_size), cut
+
+
 def export_nanochat_run(run_dir: str | Path, out_dir: str | Path, step: int | None = None) -> Path:
     """nanochat's base-directory layout of a run's newest checkpoint (or `step`'s):
     out/base_checkpoints/d{L}/model_NNNNNN.pt and meta_NNNNNN.json, out/tokenizer/tokenizer.pkl.
     A run nanochat's GPT cannot hold is refused in one line naming the key, before anything is
-    written."""
+    written. A model vocabulary larger than the tokenizer's goes out as the tokenizer's (nanochat
+    checks that they are equal): the rows past its ids, which no text reads, are left out."""
     files = RunDir(run_dir)
     if not files.config.is_file():
         raise UserError(f"{run_dir} is not a run directory (no {files.config.name})")
@@ -105,8 +121,10 @@ def export_nanochat_run(run_dir: str | Path, out_dir: str | Path, step: int | No
         raise UserError(f"cannot export to nanochat: {reason}")
     if not files.nanochat_tokenizer.is_file():
         raise UserError(f"{run_dir} has no nanochat tokenizer ({files.nanochat_tokenizer.name}): only a run "
-                        "imported from nanochat (jaxgpt import-nanochat) carries one nanochat can read")
+                        "imported from nanochat (jaxgpt import-nanochat) or trained on its tokenizer.pkl carries "
+                        "one nanochat can read")
     model, params, at = load_step(run_dir, step)
+    model, params = _tokenizer_vocabulary(model, params, Tokenizer.load(files.nanochat_tokenizer).vocab_size)
     folder = Path(out_dir) / "base_checkpoints" / f"d{model.n_layers}"
     if (folder / f"model_{at:06d}.pt").exists():
         raise UserError(f"{folder} already holds step {at}; choose another --out")

@@ -10,6 +10,7 @@ samples and the checkpoints.
 from __future__ import annotations
 
 import math
+import shutil
 import signal
 import sys
 import time
@@ -184,6 +185,8 @@ def _train(cfg: RunConfig, out_dir: str | Path, *, resume: bool, force: bool, pr
     if main_process:
         write_atomic(files.config, cfg.to_toml())
         data.tokenizer.save(files.tokenizer)
+        if Path(cfg.data.tokenizer).suffix == ".pkl":  # nanochat's: kept as it is, for export-nanochat
+            shutil.copyfile(Path(cfg.data.tokenizer).expanduser(), files.nanochat_tokenizer)
 
     expected = manifest(cfg, data)
     checkpointer = Checkpointer(run_dir, keep=cfg.train.keep_checkpoints)
