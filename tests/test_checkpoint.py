@@ -1,6 +1,7 @@
 """Checkpoints that lose nothing: bitwise resume after a stop, SIGTERM, SIGKILL and corruption;
 refusal on a changed model, tokenizer or corpus."""
 
+import contextlib
 import json
 import os
 import re
@@ -20,7 +21,7 @@ import jaxgpt.train.loop as train_module
 from jaxgpt.cli.main import main
 from jaxgpt.config import load_config
 from jaxgpt.runs.metrics import read_metrics
-from jaxgpt.train.checkpoint import Checkpointer, load_run, load_run_config
+from jaxgpt.train.checkpoint import Checkpointer, load_newest, load_run, load_run_config
 from jaxgpt.train.runtime import Runtime
 from jaxgpt.train.step import init_state
 
@@ -67,6 +68,18 @@ def assert_bitwise_equal(a, b):
     assert tree_a == tree_b
     for x, y in zip(leaves_a, leaves_b):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def assert_read_alone_as_restored_whole(run: Path, monkeypatch=None) -> None:
+    """A reader's params (`load_newest`: the params alone, on one device; with `monkeypatch`, a
+    whole restore then fails) equal bitwise those of the whole state restored."""
+    with contextlib.ExitStack() as stack:
+        if monkeypatch is not None:
+            patch = stack.enter_context(monkeypatch.context())
+            patch.setattr(Checkpointer, "restore", lambda *a, **k: pytest.fail("a reader restored the whole state"))
+        _, params, _ = load_newest(run)
+    assert all(len(leaf.sharding.device_set) == 1 for leaf in jax.tree_util.tree_leaves(params))
+    assert_bitwise_equal(jax.device_get(params), full_state(run).params)
 
 
 def comparable(records, after):
@@ -133,6 +146,7 @@ def test_the_speedrun_block_stops_and_resumes_bitwise(corpus, tmp_path, monkeypa
     state = full_state(run)
     assert {"skip_weights", "value_embeds", "mtp_0"} <= set(state.params) and int(state.step) == 8
     assert_bitwise_equal(state, full_state(tmp_path / "reference"))
+    assert_read_alone_as_restored_whole(run)
     assert comparable(read_metrics(run / "metrics.jsonl"), 0) == comparable(
         read_metrics(tmp_path / "reference" / "metrics.jsonl"), 0)
 
@@ -201,6 +215,32 @@ def test_a_mup_run_stops_and_resumes_bitwise(corpus, tmp_path, monkeypatch):
     assert load_run_config(run).model.parametrization == "mup"
     train_module.train(cfg, run, resume=True, progress=False)
     assert_bitwise_equal(full_state(run), full_state(tmp_path / "reference"))
+    assert_read_alone_as_restored_whole(run)
+
+
+def test_readers_read_the_params_alone_as_a_whole_restore_has_them(reference, corpus, tmp_path, monkeypatch, capsys):
+    """The reference run, sharded over 8 devices and scanned, and an unscanned one: a reader's
+    params equal the whole state's bitwise, read without the whole state (a full restore fails
+    here) and without importing the optimiser; params that differ from the checksum written with
+    them are damage, skipped by name."""
+    from jaxgpt.train import checkpoint as checkpoint_module
+
+    unscanned = tmp_path / "unscanned"
+    train_module.train(config(corpus, "model.scan_layers=false", "train.steps=4"), unscanned, progress=False)
+    for run in (reference[0], unscanned):
+        assert_read_alone_as_restored_whole(run, monkeypatch)
+    # The read path imports no optimiser: `generate` in a fresh process never loads it.
+    probe = ("import sys; from jaxgpt.cli.main import main; "
+             f"code = main(['generate', '--run', {str(unscanned)!r}, '--max-new-tokens', '2', '--temperature', '0']); "
+             "print(code, [m for m in ('jaxgpt.train.optim', 'jaxgpt.train.step', 'optax') if m in sys.modules])")
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True,
+                          env=devices_env(1), timeout=300)
+    assert done.stdout.strip().splitlines()[-1] == "0 []", done.stderr[-2000:]
+    real = checkpoint_module._leaf_sums
+    monkeypatch.setattr(checkpoint_module, "_leaf_sums", lambda leaves, positions: real(leaves, positions) + 1)
+    with pytest.raises(FileNotFoundError, match="no good checkpoint"):
+        load_newest(unscanned)
+    assert "its params do not match the checksum written with them; skipped" in capsys.readouterr().err
 
 
 def test_resume_with_no_intact_checkpoint_is_a_clear_error(corpus, tmp_path, monkeypatch, capsys):
@@ -425,7 +465,7 @@ def test_a_reader_lists_again_when_the_trainer_removed_every_checkpoint_it_liste
     steps = sorted(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit())
     assert len(steps) >= 2
     unsaved = (checkpoints / str(steps[-1])).rename(tmp_path / "newest")  # not there yet when the reader lists
-    real, removed = Checkpointer.restore, []
+    real, removed = Checkpointer.restore_params, []
 
     def rotated_away(self, like, step, *rest):
         if len(removed) < len(steps) - 1:
@@ -435,7 +475,7 @@ def test_a_reader_lists_again_when_the_trainer_removed_every_checkpoint_it_liste
                 unsaved.rename(self.directory / str(steps[-1]))
         return real(self, like, step, *rest)
 
-    monkeypatch.setattr(Checkpointer, "restore", rotated_away)
+    monkeypatch.setattr(Checkpointer, "restore_params", rotated_away)
     _, params = load_run(run)
     assert removed == steps[-2::-1]
     assert [p.tolist() for p in jax.tree_util.tree_leaves(params)] == [

@@ -107,7 +107,7 @@ def test_an_error_that_is_not_damage_is_raised_as_itself_and_moves_nothing(train
                                                                          monkeypatch, error):
     run = copy_of(trained, tmp_path)
 
-    def failing(self, step, abstract, restore_args):
+    def failing(self, step, abstract, restore_args, partial=False):
         raise error
 
     monkeypatch.setattr(Checkpointer, "_read", failing)

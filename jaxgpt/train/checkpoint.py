@@ -13,6 +13,8 @@ Only the trainer writes to a run. It moves a damaged checkpoint aside (to `check
 or `damaged-<step>-<n>` when that name is taken) and uses the previous one. Readers (`load_run`:
 generate, eval, export-hf, bench) open the run read-only: they skip a damaged checkpoint with a
 warning and never delete, rename or create anything, so a run being trained is safe to read.
+They read the params alone, never the optimiser's state: the manifest holds the params' own
+checksum beside the state's (a checkpoint written before it is read whole).
 A checkpoint whose files all match their record is not damaged: if the storage layer still fails
 to read it, that is one line naming the file (`Unreadable`), and nothing is moved.
 
@@ -22,21 +24,23 @@ errors mean damage) is `jaxgpt.train.orbax_plumbing`'s; this module says what a 
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 
 from jaxgpt.config import ModelConfig, RunConfig, build_config, load_config
 from jaxgpt.errors import Failure, UserError
-from jaxgpt.model.decoder import Params
+from jaxgpt.model.decoder import Params, init_params
 from jaxgpt.runs.rundir import RunDir
 from jaxgpt.train.checkpoint_files import MANIFEST_KEY, Damaged, verify, write_record
 from jaxgpt.train.orbax_plumbing import (
@@ -48,7 +52,9 @@ from jaxgpt.train.orbax_plumbing import (
     storage_error,
 )
 from jaxgpt.train.state_layout import Carried, NotCarried, carry_over, leaf_names, same_layout
-from jaxgpt.train.step import TrainState, init_state
+
+if TYPE_CHECKING:  # the optimiser's module: a reader never imports it
+    from jaxgpt.train.step import TrainState
 
 
 class StateMismatch(UserError):
@@ -97,17 +103,60 @@ def _assemble(like: TrainState, carried: Carried, raw: dict[str, Any], fresh: Tr
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(like), leaves)
 
 
-@jax.jit
-def tree_checksum(tree: Any) -> jax.Array:
-    """A uint32 checksum of every bit of every leaf; exact on any sharding (modular sums commute)."""
-    total = jnp.uint32(0)
-    for i, leaf in enumerate(jax.tree_util.tree_leaves(tree)):
+@functools.partial(jax.jit, static_argnames="positions")
+def _leaf_sums(leaves: list[Any], positions: tuple[int, ...]) -> jax.Array:
+    """Each leaf's bits summed with weights that depend on its position in its tree (uint32, exact
+    on any sharding: modular sums commute)."""
+    sums = []
+    for i, leaf in zip(positions, leaves):
         leaf = jnp.asarray(leaf)
         unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[leaf.dtype.itemsize]
         bits = jax.lax.bitcast_convert_type(leaf, unsigned).astype(jnp.uint32).reshape(-1)
         weights = jnp.arange(bits.size, dtype=jnp.uint32) * jnp.uint32(2654435761) + jnp.uint32(2 * i + 1)
-        total = total * jnp.uint32(1000003) + jnp.sum(bits * weights, dtype=jnp.uint32)
+        sums.append(jnp.sum(bits * weights, dtype=jnp.uint32))
+    return jnp.stack(sums)
+
+
+def _folded(sums: Any) -> int:
+    """The leaves' sums folded in order into one uint32."""
+    total = 0
+    for value in np.asarray(jax.device_get(sums)).tolist():
+        total = (total * 1000003 + int(value)) % 2**32
     return total
+
+
+def tree_checksum(tree: Any) -> int:
+    """A uint32 checksum of every bit of every leaf, in the tree's order."""
+    leaves = jax.tree_util.tree_leaves(tree)
+    return _folded(_leaf_sums(leaves, tuple(range(len(leaves)))))
+
+
+def _checksums(state: TrainState) -> tuple[int, int]:
+    """(the state's checksum, its params' checksum): the params' leaves' sums, weighed at their
+    places in the state, folded alone, so that the params read alone can be checked."""
+    names = [name for name, _ in leaf_names(state)]
+    sums = np.asarray(jax.device_get(_leaf_sums(jax.tree_util.tree_leaves(state), tuple(range(len(names))))))
+    return _folded(sums), _folded([sums[i] for i, name in enumerate(names) if _is_param(name)])
+
+
+def _is_param(name: str) -> bool:
+    return name.startswith("params.")
+
+
+class ParamsOnly(NamedTuple):
+    """What a reader asks a checkpoint for: the params (abstract), named as in the train state."""
+    params: Params
+
+
+def abstract_state(cfg: RunConfig) -> TrainState:
+    """The run's whole train state, abstract, on this process's first device (a restore target)."""
+    from jaxgpt.train.step import init_state
+
+    return on_one_device(jax.eval_shape(lambda: init_state(cfg, jax.random.key(0))))
+
+
+def _reader_target(cfg: RunConfig) -> ParamsOnly:
+    return ParamsOnly(on_one_device(jax.eval_shape(lambda: init_params(cfg.model, jax.random.key(0)))))
 
 
 def on_one_device(abstract: Any) -> Any:
@@ -163,8 +212,10 @@ class Checkpointer:
         if self.read_only:
             raise PermissionError(f"{self.directory} is open read-only")
         step = int(state.step)
-        manifest = {**manifest, "step": step, "data_step": step, "state_checksum": int(tree_checksum(state)),
-                    "state_leaves": [name for name, _ in leaf_names(state)], MANIFEST_KEY: True}
+        state_checksum, params_checksum = _checksums(state)
+        manifest = {**manifest, "step": step, "data_step": step, "state_checksum": state_checksum,
+                    "params_checksum": params_checksum, "state_leaves": [name for name, _ in leaf_names(state)],
+                    MANIFEST_KEY: True}
         started = time.perf_counter()
         self.manager.wait_until_finished()  # one save in flight: `_record_files` knows its step
         waited = time.perf_counter() - started
@@ -222,9 +273,42 @@ class Checkpointer:
             names = self._saved_order(manifest, set(raw))
             order = None if names is None else [raw[name] for name in names]
             state = _assemble(like, carried, raw, fresh)
-        if order is not None and int(tree_checksum(order)) != manifest.get("state_checksum"):
+        if order is not None and tree_checksum(order) != manifest.get("state_checksum"):
             raise Damaged("its contents do not match the checksum written with it")
         return state, manifest, carried
+
+    def restore_params(self, like: Any, step: int, whole: Callable[[], TrainState] | None = None
+                       ) -> tuple[Params, dict[str, Any]]:
+        """The params of `step` alone, in the structure and placement of `like.params` (abstract,
+        a `ParamsOnly` or a train state: nothing of the optimiser's state is read or held):
+        (params, manifest). The checks are `restore`'s: the files against their record, then the
+        params against the checksum written with them; a checkpoint written before that checksum
+        is restored whole, into `whole()` (default: `like`)."""
+        if verify(self.directory / str(step)):
+            self._verified.add(step)
+        else:
+            self._verified.discard(step)
+        manifest = self._manifest(step)
+        order = manifest.get("state_leaves")
+        if "params_checksum" not in manifest or not isinstance(order, list):
+            state, manifest, _ = self.restore(like if whole is None else whole(), step)
+            return state.params, manifest
+        wanted = [(name, leaf) for name, leaf in leaf_names(like) if _is_param(name)]
+        saved = {name: leaf for name, leaf in self._saved_leaves(step).items() if _is_param(name)}
+        if not same_layout(wanted, saved):
+            raise StateMismatch(f"checkpoint {self.directory / str(step)} is not this model's: its params differ",
+                                manifest.get("config"))
+        abstract = {"params": jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, like.params)}
+        params = self._read(step, abstract, ocp.checkpoint_utils.construct_restore_args(abstract),
+                            partial=True)["params"]
+        read = dict(leaf_names({"params": params}))
+        places = [(i, name) for i, name in enumerate(order) if _is_param(name)]
+        if {name for _, name in places} != set(read):
+            raise Damaged("its manifest lists other params than it holds")
+        sums = _leaf_sums([read[name] for _, name in places], tuple(i for i, _ in places))
+        if _folded(sums) != manifest["params_checksum"]:
+            raise Damaged("its params do not match the checksum written with them")
+        return params, manifest
 
     def _manifest(self, step: int) -> dict[str, Any]:
         try:
@@ -252,11 +336,11 @@ class Checkpointer:
         """The saved arrays' metadata (shape, dtype) by name, in the saved tree's order."""
         return dict(leaf_names(self._metadata(step)))
 
-    def _read(self, step: int, abstract: Any, restore_args: Any) -> Any:
+    def _read(self, step: int, abstract: Any, restore_args: Any, partial: bool = False) -> Any:
         try:
             with loops_that_finish_their_tasks():
                 return self.manager.restore(step, args=ocp.args.Composite(
-                    state=ocp.args.PyTreeRestore(abstract, restore_args)))["state"]
+                    state=ocp.args.PyTreeRestore(abstract, restore_args, partial_restore=partial)))["state"]
         except Exception as err:
             raise self._classified(err, step) from None
 
@@ -275,13 +359,15 @@ class Checkpointer:
                 saved_cfg = build_config(manifest["config"])
             except ValueError:
                 return None
-            order = [name for name, _ in leaf_names(jax.eval_shape(lambda: init_state(saved_cfg, jax.random.key(0))))]
+            order = [name for name, _ in leaf_names(abstract_state(saved_cfg))]
         return order if order is not None and set(order) == names and len(order) == len(names) else None
 
     def restore_newest_good(
-        self, like: TrainState, warn: Callable[[str], None], fresh: TrainState | None = None
-    ) -> tuple[TrainState, dict[str, Any], Carried | None] | None:
-        """The newest checkpoint that restores and verifies (`restore`). A damaged newer one is
+        self, like: Any, warn: Callable[[str], None], fresh: TrainState | None = None, *,
+        whole: Callable[[], TrainState] | None = None, params_only: bool = False,
+    ) -> Any:
+        """The newest checkpoint that restores and verifies (`restore`; `restore_params` with
+        `params_only`, what a reader returns, `whole` its fallback). A damaged newer one is
         moved aside by a trainer and skipped by a reader; a good one of another layout is carried
         over, or refused (StateMismatch), never moved. A reader skips one the trainer removed
         while it read, and lists again when every checkpoint it listed was removed (a trainer
@@ -292,7 +378,7 @@ class Checkpointer:
             for step in reversed(self.steps()):
                 folder = self.directory / str(step)
                 try:
-                    return self.restore(like, step, fresh)
+                    return self.restore_params(like, step, whole) if params_only else self.restore(like, step, fresh)
                 except Damaged as err:
                     if self.read_only:
                         gone = not folder.exists()  # the trainer dropped it (keep_checkpoints)
@@ -350,9 +436,8 @@ def finished_at(run_dir: str | Path, steps: int) -> int | None:
         newest = checkpointer.latest_step()
         if newest is None or newest < steps:
             return None
-        like = on_one_device(jax.eval_shape(lambda: init_state(cfg, jax.random.key(0))))
         try:
-            checkpointer.restore(like, newest)
+            checkpointer.restore_params(_reader_target(cfg), newest, lambda: abstract_state(cfg))
         except (Damaged, StateMismatch):
             return None
         return newest
@@ -374,16 +459,16 @@ def load_run(run_dir: str | Path, warn: Callable[[str], None] = _to_stderr) -> t
 def load_newest(run_dir: str | Path, warn: Callable[[str], None] = _to_stderr) -> tuple[ModelConfig, Params, int]:
     """`load_run`, and the step of the checkpoint it read."""
     cfg = load_run_config(run_dir)
-    like = on_one_device(jax.eval_shape(lambda: init_state(cfg, jax.random.key(0))))
     checkpointer = Checkpointer(Path(run_dir), keep=cfg.train.keep_checkpoints, read_only=True)
     try:
-        found = checkpointer.restore_newest_good(like, warn)
+        found = checkpointer.restore_newest_good(_reader_target(cfg), warn, params_only=True,
+                                                 whole=lambda: abstract_state(cfg))
     finally:
         checkpointer.close()
     if found is None:
         raise FileNotFoundError(f"no good checkpoint in {RunDir(run_dir).checkpoints}")
-    state, manifest, _ = found
-    return cfg.model, state.params, manifest["step"]
+    params, manifest = found
+    return cfg.model, params, manifest["step"]
 
 
 def load_step(run_dir: str | Path, step: int | None = None) -> tuple[ModelConfig, Params, int]:
@@ -391,12 +476,11 @@ def load_step(run_dir: str | Path, step: int | None = None) -> tuple[ModelConfig
     if step is None:
         return load_newest(run_dir)
     cfg = load_run_config(run_dir)
-    like = on_one_device(jax.eval_shape(lambda: init_state(cfg, jax.random.key(0))))
     checkpointer = Checkpointer(Path(run_dir), keep=cfg.train.keep_checkpoints, read_only=True)
     try:
         if step not in checkpointer.steps():
             raise UserError(f"{run_dir} has no checkpoint at step {step} (it has {checkpointer.steps() or 'none'})")
-        state, _, _ = checkpointer.restore(like, step)
+        params, _ = checkpointer.restore_params(_reader_target(cfg), step, lambda: abstract_state(cfg))
     finally:
         checkpointer.close()
-    return cfg.model, state.params, step
+    return cfg.model, params, step
