@@ -70,6 +70,7 @@ def test_a_plan_compiles_train_eval_and_sampling_and_compares_them_with_the_chip
     assert record["peak_bytes"] == max(compiled["total_bytes"], compiled["eval"]["total_bytes"] + opt,
                                        compiled["decode"]["total_bytes"] + opt)
     assert record["fits"] is (record["peak_bytes"] <= 0.9 * compiled["device_bytes"])
+    assert record["sampler_fits"] is (compiled["decode"]["total_bytes"] <= 0.9 * compiled["device_bytes"])
     assert (record["target"], record["devices"], record["processes"]) == ("h100-1", 1, 1)
 
 

@@ -42,11 +42,12 @@ def v5e_1():
     """One compile process for one TPU v5e chip: every program (train, eval, the sampler) of a
     plain model, the speedrun block under muP and a long-short windowed model over packed
     documents, first, at lengths no probe compiled before; then the Mosaic rows' train steps, a
-    batch far beyond the chip, and the search for the largest batch of a 4-layer model."""
+    batch far beyond the chip (with its sampler), and the search for the largest batch of a
+    4-layer model."""
     train = {"programs": ("train",)}
     cfgs = [*EVERY_PROGRAM, *(attention(*row) for row in MOSAIC_ROWS), beyond_the_chip(1), load_config(None, LAYERS)]
-    each = [{}] * len(EVERY_PROGRAM) + [train] * (len(MOSAIC_ROWS) + 1) + [{**train, "fit": True,
-                                                                            "headroom": FIT_HEADROOM}]
+    each = [{}] * len(EVERY_PROGRAM) + [train] * len(MOSAIC_ROWS) + [{"programs": ("train", "decode")}] + [
+        {**train, "fit": True, "headroom": FIT_HEADROOM}]
     records = planning.plans(cfgs, "v5e-1", each=each)
     every = len(EVERY_PROGRAM)
     return {"every_program": records[:every], "mosaic": records[every:-2], "beyond": records[-2], "fit": records[-1]}
@@ -63,6 +64,8 @@ def test_a_program_the_compiler_refuses_for_memory_does_not_fit_and_says_what_it
     record = v5e_1["beyond"]
     compiled = record["compiled"]
     assert "RESOURCE_EXHAUSTED" in compiled["refused"] and record["fits"] is False
+    # Its params and sampler fit where training does not: what generate and eval need.
+    assert record["sampler_fits"] is True and compiled["decode"]["total_bytes"] <= 0.9 * compiled["available_bytes"]
     assert compiled["total_bytes"] > compiled["temp_bytes"] > targets.target("v5e-1").device_bytes
     # What the compiler says the chip holds is the catalogue's figure.
     assert compiled["available_bytes"] == targets.target("v5e-1").device_bytes

@@ -58,6 +58,9 @@ def cmd_dry_run(args: argparse.Namespace) -> int:
     if args.hlo is not None:
         written = ", ".join(hlo_file_names(programs))
         print(f"jaxgpt dry-run: the optimised HLO of each program in {args.hlo}: {written}", file=sys.stderr)
+    if record.get("fits") is False and record.get("sampler_fits"):
+        print(f"jaxgpt dry-run: training does not fit {args.target}, but the params and the sampler do: "
+              "generate, eval and the harness run on it (they read the params alone)", file=sys.stderr)
     print(json.dumps(record))
     return 0
 

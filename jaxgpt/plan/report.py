@@ -103,7 +103,17 @@ def _programs(cfg: RunConfig, mesh: Any, device_bytes: int | None, programs: Seq
     record["peak_bytes"] = peak = peak_bytes(compiled, record["opt_state_bytes_per_device"])
     record["fits"] = (None if device_bytes is None else
                       not _refused(compiled) and peak is not None and peak <= headroom * device_bytes)
+    record["sampler_fits"] = _sampler_fits(compiled.get("decode"), device_bytes, headroom)
     return record
+
+
+def _sampler_fits(decode: dict[str, Any] | None, device_bytes: int | None, headroom: float) -> bool | None:
+    """Whether the params and the sampler (its program's arguments hold the params) fit without
+    the optimiser's state, as generate, eval and the harness run: None where not planned."""
+    if decode is None or device_bytes is None:
+        return None
+    return "refused" not in decode and decode.get("total_bytes") is not None \
+        and decode["total_bytes"] <= headroom * device_bytes
 
 
 def plan_group_on(cfg: RunConfig, n_members: int, devices: Sequence[jax.Device], device_bytes: int | None,
