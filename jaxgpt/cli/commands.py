@@ -15,6 +15,7 @@ from jaxgpt.errors import UserError
 from jaxgpt.runs.rundir import RunDir
 
 if TYPE_CHECKING:
+    from jaxgpt.config import RunConfig
     from jaxgpt.tools.sweep import Sweep
 
 
@@ -195,8 +196,7 @@ def _eval_tasks(args: argparse.Namespace) -> int:
     from jaxgpt.data.tokenizer import Tokenizer
     from jaxgpt.evaluation.harness import DEFAULT_BATCH_SIZE, HarnessLM
     from jaxgpt.evaluation.tasks import results_json, results_table, run_tasks, task_manager, task_record
-    from jaxgpt.runs.metrics import MetricsWriter
-    from jaxgpt.runs.trackers import TrackerContext, open_trackers, require
+    from jaxgpt.runs.trackers import require
     from jaxgpt.train.checkpoint import load_newest, load_run_config
 
     run_cfg = load_run_config(args.run)
@@ -208,14 +208,22 @@ def _eval_tasks(args: argparse.Namespace) -> int:
                    batch_size=DEFAULT_BATCH_SIZE if args.batch_size is None else args.batch_size)
     results = run_tasks(lm, names, manager=manager, limit=args.limit, num_fewshot=args.num_fewshot)
     print(results_table(results))
-    context = TrackerContext(Path(args.run), run_cfg, start_step=lm.step, resumed=True, attach=True)
-    with MetricsWriter(Path(args.run), trackers=open_trackers(context)) as writer:  # the run's own trackers
-        writer.write(task_record(results, lm.step))
+    _add_to_run(args.run, run_cfg, task_record(results, lm.step))
     if args.out:
         from jaxgpt.runs.rundir import write_atomic
 
         write_atomic(args.out, results_json(results))
     return 0
+
+
+def _add_to_run(run: str, run_cfg: RunConfig, record: dict) -> None:
+    """An evaluation's record in the run's metrics.jsonl and its own trackers, at its step."""
+    from jaxgpt.runs.metrics import MetricsWriter
+    from jaxgpt.runs.trackers import TrackerContext, open_trackers
+
+    context = TrackerContext(Path(run), run_cfg, start_step=record["step"], resumed=True, attach=True)
+    with MetricsWriter(Path(run), trackers=open_trackers(context)) as writer:
+        writer.write(record)
 
 
 def _eval_core(args: argparse.Namespace) -> int:
@@ -232,8 +240,7 @@ def _eval_core(args: argparse.Namespace) -> int:
         raise UserError(f"--batch-size {args.batch_size}: at least one row per batch")
     from jaxgpt.data.tokenizer import Tokenizer
     from jaxgpt.evaluation.core import DEFAULT_BATCH_SIZE, core_record, evaluate_core, load_bundle, local_mesh
-    from jaxgpt.runs.metrics import MetricsWriter
-    from jaxgpt.runs.trackers import TrackerContext, open_trackers, require
+    from jaxgpt.runs.trackers import require
     from jaxgpt.train.checkpoint import load_newest, load_run_config
 
     run_cfg = load_run_config(args.run)
@@ -246,9 +253,7 @@ def _eval_core(args: argparse.Namespace) -> int:
                            batch_size=DEFAULT_BATCH_SIZE if args.batch_size is None else args.batch_size)
     for label, values in result["tasks"].items():
         print(f"{label:<35} accuracy {values['accuracy']:.4f}  centered {values['centered']:.4f}", file=sys.stderr)
-    context = TrackerContext(Path(args.run), run_cfg, start_step=step, resumed=True, attach=True)
-    with MetricsWriter(Path(args.run), trackers=open_trackers(context)) as writer:
-        writer.write(core_record(result, step))
+    _add_to_run(args.run, run_cfg, core_record(result, step))
     print(json.dumps(result))
     return 0
 

@@ -116,9 +116,9 @@ def _read_examples(bundle: Path, uri: str, label: str) -> tuple[dict[str, Any], 
     return tuple(examples)
 
 
-def load_bundle(path: str | Path, labels: Sequence[str] | None = None) -> list[Task]:
-    """The bundle's tasks, each with its examples and baseline (`labels`: these alone, in the
-    bundle's order). Anything missing or malformed is one UserError naming it."""
+def load_bundle(path: str | Path) -> list[Task]:
+    """The bundle's tasks, each with its examples and baseline. Anything missing or malformed is
+    one UserError naming it."""
     bundle = Path(path).expanduser()
     if not bundle.is_dir():
         raise UserError(f"CORE bundle {bundle} is not a folder")
@@ -128,8 +128,6 @@ def load_bundle(path: str | Path, labels: Sequence[str] | None = None) -> list[T
         if not isinstance(entry, dict):
             raise _bundle_error(bundle, f"core.yaml's icl_tasks entry {n} is not a mapping")
         label = str(_task_field(bundle, entry, "label", f"icl_tasks entry {n}"))
-        if labels is not None and label not in labels:
-            continue
         kind = _task_field(bundle, entry, "icl_task_type", f"task {label}")
         if kind not in TASK_TYPES:
             raise _bundle_error(bundle, f"task {label} has icl_task_type {kind!r}; CORE scores {', '.join(TASK_TYPES)}")
@@ -141,10 +139,6 @@ def load_bundle(path: str | Path, labels: Sequence[str] | None = None) -> list[T
             raise _bundle_error(bundle, f"task {label} has no Random baseline in eval_meta_data.csv")
         data = _read_examples(bundle, str(_task_field(bundle, entry, "dataset_uri", f"task {label}")), label)
         tasks.append(Task(label, kind, shots, str(entry.get("continuation_delimiter", " ")), baselines[label], data))
-    if labels is not None:
-        unknown = sorted(set(labels) - {t.label for t in tasks})
-        if unknown:
-            raise _bundle_error(bundle, f"no task {unknown[0]!r} in core.yaml")
     return tasks
 
 
@@ -159,25 +153,21 @@ def _fewshot(data: Sequence[dict[str, Any]], index: int, k: int) -> list[dict[st
     return [data[i] for i in random.Random(FEWSHOT_SEED + index).sample(others, k)]
 
 
-def _text(value: Any) -> str:
-    return value if isinstance(value, str) else str(value)
-
-
 def render(kind: str, item: dict[str, Any], delimiter: str, shots: Sequence[dict[str, Any]]) -> list[str]:
     """The prompts of one example, as nanochat's templates render them: one per choice
     (multiple_choice), one per context option (schema), or the prompt without and with its
     continuation (language_modeling, the first stripped)."""
     try:
         if kind == "multiple_choice":
-            head = "".join(f"{_text(s['query'])}{delimiter}{_text(s['choices'][s['gold']])}\n\n" for s in shots)
-            return [f"{head}{_text(item['query'])}{delimiter}{_text(c)}" for c in item["choices"]]
+            head = "".join(f"{s['query']}{delimiter}{s['choices'][s['gold']]}\n\n" for s in shots)
+            return [f"{head}{item['query']}{delimiter}{c}" for c in item["choices"]]
         if kind == "schema":
-            head = "".join(f"{_text(s['context_options'][s['gold']])}{delimiter}{_text(s['continuation'])}\n\n"
+            head = "".join(f"{s['context_options'][s['gold']]}{delimiter}{s['continuation']}\n\n"
                            for s in shots)
-            return [f"{head}{_text(c)}{delimiter}{_text(item['continuation'])}" for c in item["context_options"]]
-        head = "".join(f"{_text(s['context']).strip()}{delimiter}{_text(s['continuation'])}\n\n" for s in shots)
-        prompt = f"{head}{_text(item['context']).strip()}{delimiter}"
-        return [prompt.strip(), prompt + _text(item["continuation"])]
+            return [f"{head}{c}{delimiter}{item['continuation']}" for c in item["context_options"]]
+        head = "".join(f"{str(s['context']).strip()}{delimiter}{s['continuation']}\n\n" for s in shots)
+        prompt = f"{head}{str(item['context']).strip()}{delimiter}"
+        return [prompt.strip(), prompt + str(item["continuation"])]
     except (KeyError, IndexError, TypeError) as err:
         raise UserError(f"a {kind} example lacks what its prompt reads ({type(err).__name__}: {err})") from None
 
@@ -277,7 +267,7 @@ def evaluate_core(params: Any, cfg: Any, tokenizer: Any, tasks: Sequence[Task], 
 
     from jaxgpt.evaluation.scoring import score_pairs
 
-    opener = tokenizer.bos_id if tokenizer.bos_id is not None else tokenizer.document_token
+    opener = tokenizer.document_token  # BOS, else end-of-text
     if opener is None:
         raise UserError("CORE opens every prompt with BOS (or end-of-text): the run's tokenizer has neither")
     vocab_limit = min(tokenizer.vocab_size, cfg.vocab_size)

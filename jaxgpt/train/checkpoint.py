@@ -131,10 +131,10 @@ def tree_checksum(tree: Any) -> int:
     return _folded(_leaf_sums(leaves, tuple(range(len(leaves)))))
 
 
-def _checksums(state: TrainState) -> tuple[int, int]:
-    """(the state's checksum, its params' checksum): the params' leaves' sums, weighed at their
-    places in the state, folded alone, so that the params read alone can be checked."""
-    names = [name for name, _ in leaf_names(state)]
+def _checksums(state: TrainState, names: list[str]) -> tuple[int, int]:
+    """(the state's checksum, its params' checksum) of a state whose leaves are `names`: the
+    params' leaves' sums, weighed at their places in the state, folded alone, so that the params
+    read alone can be checked."""
     sums = np.asarray(jax.device_get(_leaf_sums(jax.tree_util.tree_leaves(state), tuple(range(len(names))))))
     return _folded(sums), _folded([sums[i] for i, name in enumerate(names) if _is_param(name)])
 
@@ -212,10 +212,10 @@ class Checkpointer:
         if self.read_only:
             raise PermissionError(f"{self.directory} is open read-only")
         step = int(state.step)
-        state_checksum, params_checksum = _checksums(state)
+        names = [name for name, _ in leaf_names(state)]
+        state_checksum, params_checksum = _checksums(state, names)
         manifest = {**manifest, "step": step, "data_step": step, "state_checksum": state_checksum,
-                    "params_checksum": params_checksum, "state_leaves": [name for name, _ in leaf_names(state)],
-                    MANIFEST_KEY: True}
+                    "params_checksum": params_checksum, "state_leaves": names, MANIFEST_KEY: True}
         started = time.perf_counter()
         self.manager.wait_until_finished()  # one save in flight: `_record_files` knows its step
         waited = time.perf_counter() - started
@@ -249,10 +249,7 @@ class Checkpointer:
         reader needs only the params); one that is another model's raises StateMismatch. Damage
         raises Damaged, and a storage error on a checkpoint whose files all match their record
         Unreadable; any other error (memory, a permission) is raised as itself."""
-        if verify(self.directory / str(step)):
-            self._verified.add(step)
-        else:
-            self._verified.discard(step)
+        self._verify(step)
         manifest = self._manifest(step)
         saved = self._saved_leaves(step)
         wanted = leaf_names(like)
@@ -284,10 +281,7 @@ class Checkpointer:
         (params, manifest). The checks are `restore`'s: the files against their record, then the
         params against the checksum written with them; a checkpoint written before that checksum
         is restored whole, into `whole()` (default: `like`)."""
-        if verify(self.directory / str(step)):
-            self._verified.add(step)
-        else:
-            self._verified.discard(step)
+        self._verify(step)
         manifest = self._manifest(step)
         order = manifest.get("state_leaves")
         if "params_checksum" not in manifest or not isinstance(order, list):
@@ -309,6 +303,14 @@ class Checkpointer:
         if _folded(sums) != manifest["params_checksum"]:
             raise Damaged("its params do not match the checksum written with them")
         return params, manifest
+
+    def _verify(self, step: int) -> None:
+        """Check the files of `step` against their record (Damaged where one differs), and note
+        whether they all matched, for telling damage from other storage errors."""
+        if verify(self.directory / str(step)):
+            self._verified.add(step)
+        else:
+            self._verified.discard(step)
 
     def _manifest(self, step: int) -> dict[str, Any]:
         try:

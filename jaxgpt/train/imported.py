@@ -18,6 +18,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from jaxgpt.config import DataConfig, RunConfig, load_config
+from jaxgpt.data.tiktoken_pickle import read_encoding
 from jaxgpt.data.tokenizer import Tokenizer
 from jaxgpt.errors import UserError
 from jaxgpt.hf.importer import import_hf, tokenizer_source
@@ -124,7 +125,7 @@ def export_nanochat_run(run_dir: str | Path, out_dir: str | Path, step: int | No
                         "imported from nanochat (jaxgpt import-nanochat) or trained on its tokenizer.pkl carries "
                         "one nanochat can read")
     model, params, at = load_step(run_dir, step)
-    model, params = _tokenizer_vocabulary(model, params, Tokenizer.load(files.nanochat_tokenizer).vocab_size)
+    model, params = _tokenizer_vocabulary(model, params, read_encoding(files.nanochat_tokenizer).n_vocab)
     folder = Path(out_dir) / "base_checkpoints" / f"d{model.n_layers}"
     if (folder / f"model_{at:06d}.pt").exists():
         raise UserError(f"{folder} already holds step {at}; choose another --out")
