@@ -132,6 +132,29 @@ def test_disabled_writer_writes_nothing(tmp_path: Path) -> None:
     assert not run_dir.exists()
 
 
+def test_a_writer_without_jsonl_feeds_its_trackers_alone(tmp_path: Path) -> None:
+    """A sweep member's writer: its records reach the trackers, no metrics.jsonl is written, and
+    a closed writer still refuses a record."""
+    class Kept:
+        def __init__(self) -> None:
+            self.records, self.closed = [], False
+
+        def write(self, record: dict) -> None:
+            self.records.append(record)
+
+        def close(self) -> None:
+            self.closed = True
+
+    kept = Kept()
+    with MetricsWriter(tmp_path / "member", trackers=[kept], jsonl=False) as writer:
+        for record in RECORDS:
+            writer.write(record)
+    assert kept.records == RECORDS and kept.closed
+    assert not (tmp_path / "member" / "metrics.jsonl").exists()
+    with pytest.raises(RuntimeError, match="closed"):
+        writer.write(RECORDS[0])
+
+
 def test_plot_losses_writes_png(tmp_path: Path) -> None:
     run_dir = tmp_path / "my-run"
     with MetricsWriter(run_dir) as writer:

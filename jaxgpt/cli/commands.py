@@ -166,7 +166,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     from jaxgpt.data.batches import evaluate
     from jaxgpt.data.from_config import prepare_data
-    from jaxgpt.train.checkpoint import load_run, load_run_config
+    from jaxgpt.train.checkpoint import load_run_config, read_params
     from jaxgpt.train.step import eval_step
 
     cfg = load_run_config(args.run)
@@ -175,7 +175,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.batches is not None:
         cfg = cfg.replace("train", eval_batches=args.batches)
     data = prepare_data(cfg, Path(args.run))
-    _, params = load_run(args.run)
+    params, _ = read_params(args.run, cfg)
     loss = jax.jit(functools.partial(eval_step, cfg))
     result = evaluate(lambda batch: loss(params, batch), cfg, data)
     print(json.dumps({"loss": result["val_loss"], "perplexity": result["val_perplexity"],
@@ -197,13 +197,13 @@ def _eval_tasks(args: argparse.Namespace) -> int:
     from jaxgpt.evaluation.harness import DEFAULT_BATCH_SIZE, HarnessLM
     from jaxgpt.evaluation.tasks import results_json, results_table, run_tasks, task_manager, task_record
     from jaxgpt.runs.trackers import require
-    from jaxgpt.train.checkpoint import load_newest, load_run_config
+    from jaxgpt.train.checkpoint import load_run_config, read_params
 
     run_cfg = load_run_config(args.run)
     require(run_cfg.train.trackers)  # the results go to the run's trackers too
     manager = task_manager(names, args.include_path)  # before the checkpoint is read: a typo costs nothing
-    cfg, params, step = load_newest(args.run)  # the newest good checkpoint, with the run's tokenizer
-    lm = HarnessLM(cfg, params, Tokenizer.load(RunDir(args.run).tokenizer), step=step,
+    params, step = read_params(args.run, run_cfg)  # the newest good checkpoint, with the run's tokenizer
+    lm = HarnessLM(run_cfg.model, params, Tokenizer.load(RunDir(args.run).tokenizer), step=step,
                    documents=run_cfg.data.document_mask,
                    batch_size=DEFAULT_BATCH_SIZE if args.batch_size is None else args.batch_size)
     results = run_tasks(lm, names, manager=manager, limit=args.limit, num_fewshot=args.num_fewshot)
@@ -241,13 +241,13 @@ def _eval_core(args: argparse.Namespace) -> int:
     from jaxgpt.data.tokenizer import Tokenizer
     from jaxgpt.evaluation.core import DEFAULT_BATCH_SIZE, core_record, evaluate_core, load_bundle, local_mesh
     from jaxgpt.runs.trackers import require
-    from jaxgpt.train.checkpoint import load_newest, load_run_config
+    from jaxgpt.train.checkpoint import load_run_config, read_params
 
     run_cfg = load_run_config(args.run)
     require(run_cfg.train.trackers)
     tasks = load_bundle(args.core)  # before the checkpoint is read: a bad bundle costs nothing
-    cfg, params, step = load_newest(args.run)
-    result = evaluate_core(params, cfg, Tokenizer.load(RunDir(args.run).tokenizer), tasks,
+    params, step = read_params(args.run, run_cfg)
+    result = evaluate_core(params, run_cfg.model, Tokenizer.load(RunDir(args.run).tokenizer), tasks,
                            max_per_task=args.max_per_task or 0, documents=run_cfg.data.document_mask,
                            mesh=local_mesh(),
                            batch_size=DEFAULT_BATCH_SIZE if args.batch_size is None else args.batch_size)
@@ -261,11 +261,12 @@ def _eval_core(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     from jaxgpt.data.tokenizer import Tokenizer
     from jaxgpt.evaluation.generate import generate_tokens
-    from jaxgpt.train.checkpoint import load_run, load_run_config
+    from jaxgpt.train.checkpoint import load_run_config, read_params
 
     tokenizer = Tokenizer.load(RunDir(args.run).tokenizer)
-    model, params = load_run(args.run)
-    documents = load_run_config(args.run).data.document_mask  # the model reads one document at a time
+    run_cfg = load_run_config(args.run)
+    model, (params, _) = run_cfg.model, read_params(args.run, run_cfg)
+    documents = run_cfg.data.document_mask  # the model reads one document at a time
     if tokenizer.bos_id is not None:  # a model whose documents open with BOS (nanochat's) starts from it
         prompt = [tokenizer.bos_id, *tokenizer.encode(args.prompt)]
     else:

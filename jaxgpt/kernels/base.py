@@ -1,7 +1,8 @@
 """The seam's interface: what the model asks of a backend's kernels.
 
 The model (`jaxgpt.model.decoder`, `jaxgpt.model.layers`) is written once, in plain Flax; each heavy
-operation it runs is a field of the `Kernels` it is handed. Shapes follow the legend in
+operation it runs is a field of the `Kernels` it is handed. The arithmetic the model and every
+kernel set must agree on (the window rule, the head's cap) is defined here once. Shapes follow the legend in
 `jaxgpt.model.decoder`; `dtype` arguments are the compute dtype (`model.dtype`).
 """
 
@@ -12,6 +13,21 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
+
+
+def in_window(T: int, window: jax.Array, offset: jax.Array | int = 0, keys: int | None = None) -> jax.Array:
+    """[1, 1, T, S] (S = `keys`, default T): whether key s is within `window` of query t, the
+    queries at positions offset + t (0 for every t of a window of 0: the whole context). Causality
+    is the caller's."""
+    distance = (offset + jnp.arange(T))[:, None] - jnp.arange(T if keys is None else keys)[None, :]
+    return ((window == 0) | (distance < window))[None, None]
+
+
+def softcap(logits: jax.Array, cap: float) -> jax.Array:
+    """cap * tanh(logits / cap): every logit inside (-cap, cap), near-identity well below it. 0: off.
+    The model's head and the fused head loss both apply it."""
+    return cap * jnp.tanh(logits / cap) if cap else logits
 
 
 @dataclass(frozen=True)

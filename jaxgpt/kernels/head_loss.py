@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxgpt.kernels.base import softcap
+
 # Entries of one chunk's float32 logits: 512 MiB.
 LOGITS_BUDGET = 2**27
 
@@ -40,12 +42,6 @@ def _chunked(x_BT: jax.Array, n: int) -> jax.Array:
     B, T = x_BT.shape[:2]
     x = x_BT.reshape(B, n, T // n, *x_BT.shape[2:])
     return jnp.moveaxis(x, 1, 0).reshape(n, B * (T // n), *x_BT.shape[2:])
-
-
-def softcap(logits: jax.Array, cap: float) -> jax.Array:
-    """cap * tanh(logits / cap): every logit inside (-cap, cap), near-identity well below it. 0: off.
-    The model's head applies it too (`jaxgpt.model.decoder`)."""
-    return cap * jnp.tanh(logits / cap) if cap else logits
 
 
 def _logits(h_NC: jax.Array, w: jax.Array, tied: bool, cap: float) -> jax.Array:

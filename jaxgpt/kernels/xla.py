@@ -14,7 +14,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from jaxgpt.kernels.base import Kernels
+from jaxgpt.kernels.base import Kernels, in_window
 
 
 def attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, *, train: bool = False,
@@ -63,14 +63,6 @@ def with_banded(attend: Callable[..., Any], banded: Callable[..., Any], every_bl
         return jax.lax.cond(window == 0, lambda *qkv: attend(*qkv, **options), lambda *qkv: banded(*qkv, **options),
                             q_BTHD, k_BTKD, v_BTKD)
     return attention
-
-
-def in_window(T: int, window: jax.Array, offset: jax.Array | int = 0, keys: int | None = None) -> jax.Array:
-    """[1, 1, T, S] (S = `keys`, default T): whether key s is within `window` of query t, the
-    queries at positions offset + t (0 for every t of a window of 0: the whole context). Causality
-    is the caller's."""
-    distance = (offset + jnp.arange(T))[:, None] - jnp.arange(T if keys is None else keys)[None, :]
-    return ((window == 0) | (distance < window))[None, None]
 
 
 def same_segment(segment_ids_BT: jax.Array) -> jax.Array:

@@ -28,7 +28,7 @@ import numpy as np
 
 from jaxgpt.config import ModelConfig
 from jaxgpt.errors import UserError
-from jaxgpt.kernels.base import Kernels
+from jaxgpt.kernels.base import Kernels, softcap
 from jaxgpt.kernels.choose import PORTABLE
 from jaxgpt.model.layers import (
     CachePlace,
@@ -44,13 +44,12 @@ from jaxgpt.model.layers import (
     rms_normalize,
     rope_tables,
     sinusoidal_positions,
-    softcap,
     write_kv,
     write_ring,
 )
 from jaxgpt.model.nanochat_init import nanochat_init
 from jaxgpt.model.shortcuts import Shared, first_carry, layer_step, layer_table, window_plan
-from jaxgpt.model.token_ids import check_token_ids
+from jaxgpt.model.token_ids import check_segment_ids, check_token_ids
 
 Params = dict[str, Any]
 # {"k": [L, B, S, K, D], "v": [L, B, S, K, D], "index": [B]}; a long-short model's (`init_cache(...,
@@ -298,17 +297,6 @@ def segment_runs(segment_ids_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
                                  segment_ids_BT[:, 1:] != segment_ids_BT[:, :-1]], axis=1)
     runs_BT = jnp.cumsum(starts_BT, axis=1, dtype=jnp.int32)
     return runs_BT, t - jax.lax.cummax(jnp.where(starts_BT, t, 0), axis=1)
-
-
-def check_segment_ids(segment_ids: Any, token_ids: jax.Array) -> jax.Array:
-    """`segment_ids` as an int32 array of the token IDs' shape, or a one-line UserError."""
-    segment_ids = jnp.asarray(segment_ids)
-    if segment_ids.shape != token_ids.shape:
-        raise UserError(f"segment_ids have shape {tuple(segment_ids.shape)}, the token IDs {tuple(token_ids.shape)}: "
-                        "one segment id per token")
-    if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
-        raise UserError(f"segment_ids must be integers, got {segment_ids.dtype}")
-    return segment_ids.astype(jnp.int32)
 
 
 def _block_class(cfg: ModelConfig, kernels: Kernels) -> type[nn.Module]:

@@ -30,10 +30,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxgpt.config import ModelConfig
-from jaxgpt.kernels.base import Kernels
+from jaxgpt.kernels.base import Kernels, in_window
 from jaxgpt.kernels.choose import PORTABLE
-from jaxgpt.kernels.xla import in_window
-from jaxgpt.kernels.head_loss import softcap  # noqa: F401  (the head's cap, one definition for model and fused loss)
 
 Rope = tuple[jax.Array, jax.Array]  # (cos, sin), each [B, T, D/2] float32
 KV = tuple[jax.Array, jax.Array]  # one layer's cached keys and values, each [B, S, K, D]

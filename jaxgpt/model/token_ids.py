@@ -1,4 +1,4 @@
-"""Token IDs checked at the host boundary of the public model functions.
+"""Token IDs (and the segment ids beside them) checked at the host boundary of the public model functions.
 
 On the device an out-of-range index is not an error: a gather clamps it or fills the row with NaN.
 So `forward`, `forward_cached` and `generate` check the IDs while they are still concrete values
@@ -34,3 +34,14 @@ def check_token_ids(token_ids: Any, vocab_size: int) -> jax.Array:
         if low < 0 or high >= vocab_size:
             raise UserError(f"token IDs must lie in [0, {vocab_size}) (model.vocab_size); got [{low}, {high}]")
     return jnp.asarray(token_ids, jnp.int32)
+
+
+def check_segment_ids(segment_ids: Any, token_ids: jax.Array) -> jax.Array:
+    """`segment_ids` as an int32 array of the token IDs' shape, or a one-line UserError."""
+    segment_ids = jnp.asarray(segment_ids)
+    if segment_ids.shape != token_ids.shape:
+        raise UserError(f"segment_ids have shape {tuple(segment_ids.shape)}, the token IDs {tuple(token_ids.shape)}: "
+                        "one segment id per token")
+    if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+        raise UserError(f"segment_ids must be integers, got {segment_ids.dtype}")
+    return segment_ids.astype(jnp.int32)

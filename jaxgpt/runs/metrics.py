@@ -56,19 +56,23 @@ class MetricsWriter:
     Every JSONL line is written and flushed in one call, so a crash loses no finished record, and
     another writer of the same run (`jaxgpt eval --tasks` while it trains) puts its lines between
     whole ones. A record reaches the trackers after its line is on disk.
-    `enabled=False` (every process but 0 in a multi-host run) validates records and writes nothing.
+    `enabled=False` (every process but 0 in a multi-host run) validates records and writes nothing;
+    `jsonl=False` (a sweep member, whose records live in the sweep's results) feeds the trackers alone.
     """
 
-    def __init__(self, run_dir: Path, enabled: bool = True, trackers: list[Tracker] | None = None) -> None:
+    def __init__(self, run_dir: Path, enabled: bool = True, trackers: list[Tracker] | None = None,
+                 jsonl: bool = True) -> None:
         self.run_dir = Path(run_dir)
         self.enabled = enabled
         self._jsonl = None
+        self._open = enabled
         self._trackers: list[Tracker] = []
         if enabled:
             files = RunDir(run_dir)
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            _drop_partial_last_line(files.metrics)
-            self._jsonl = files.metrics.open("a", encoding="utf-8")
+            if jsonl:
+                _drop_partial_last_line(files.metrics)
+                self._jsonl = files.metrics.open("a", encoding="utf-8")
             self._trackers = [TensorBoardTracker(self.run_dir)] if trackers is None else list(trackers)
 
     def write(self, record: dict[str, Any]) -> None:
@@ -76,14 +80,16 @@ class MetricsWriter:
         _validate(record)
         if not self.enabled:
             return
-        if self._jsonl is None:
+        if not self._open:
             raise RuntimeError(f"MetricsWriter for {self.run_dir} is closed")
-        self._jsonl.write(json.dumps(record) + "\n")
-        self._jsonl.flush()
+        if self._jsonl is not None:
+            self._jsonl.write(json.dumps(record) + "\n")
+            self._jsonl.flush()
         for tracker in self._trackers:
             tracker.write(record)
 
     def close(self) -> None:
+        self._open = False
         if self._jsonl is not None:
             self._jsonl.close()
             self._jsonl = None

@@ -56,12 +56,12 @@ def _start(context: TrackerContext, run_id: str, group: str, config: dict[str, A
     import wandb
 
     os.environ.setdefault("WANDB_SILENT", "true")  # its login chatter: jaxgpt says where the run is, in one line
-    where = {} if os.environ.get("WANDB_DIR") else {"dir": str(context.run_dir)}
-    Path(where.get("dir", os.environ.get("WANDB_DIR", "."))).mkdir(parents=True, exist_ok=True)
+    folder = Path(os.environ.get("WANDB_DIR") or context.run_dir)  # W&B's own variable wins
+    folder.mkdir(parents=True, exist_ok=True)
     try:
         return wandb.init(project=context.config.train.wandb_project, id=run_id, resume="allow", group=group,
                           name=context.name or run_id, config=config, settings=_settings(wandb),
-                          reinit="create_new", **where)
+                          reinit="create_new", dir=str(folder))
     except Exception as err:  # noqa: BLE001 - whatever W&B raises, training goes on
         note("did not start", err)
         return None

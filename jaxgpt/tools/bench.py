@@ -294,12 +294,13 @@ def bench_speculative(run_dir: str, repeats: int, batches: tuple[int, ...] = (1,
     """
     from jaxgpt.data.from_config import prepare_data
     from jaxgpt.evaluation.generate import generate
-    from jaxgpt.train.checkpoint import load_run, load_run_config
+    from jaxgpt.train.checkpoint import load_run_config, read_params
 
-    model, params = load_run(run_dir)
+    run_cfg = load_run_config(run_dir)
+    model, (params, _) = run_cfg.model, read_params(run_dir, run_cfg)
     if model.mtp_depth < 1:
         raise UserError(f"{run_dir} has model.mtp_depth = 0: speculative decoding needs MTP adapters")
-    data = prepare_data(load_run_config(run_dir), Path(run_dir))
+    data = prepare_data(run_cfg, Path(run_dir))
     val, rng = data.tokens.val, np.random.default_rng(0)  # read by windows: a split may be large
     P = min(32, model.context_length // 2)
     for B in batches:

@@ -65,7 +65,7 @@ from jaxgpt.errors import UserError, did_you_mean
 from jaxgpt.model.decoder import count_params
 from jaxgpt.process import distributed
 from jaxgpt.process.dispatch import InFlight
-from jaxgpt.runs.metrics import read_jsonl
+from jaxgpt.runs.metrics import MetricsWriter, read_jsonl
 from jaxgpt.runs.rundir import write_atomic
 from jaxgpt.runs.trackers import TrackerContext, open_trackers, require
 from jaxgpt.tools.sweep_report import write_report
@@ -337,19 +337,12 @@ def track_member(member: Member, record: dict[str, Any], out: Path, sweep_name: 
     name = f"{member.variant}-seed{member.seed}"
     context = TrackerContext(out / "members" / name, member.config, group=f"sweep-{sweep_name}", name=name,
                              extra={"variant": member.variant, "seed": member.seed})
-    trackers = open_trackers(context)
-    try:
+    with MetricsWriter(out / "members" / name, trackers=open_trackers(context), jsonl=False) as writer:
         for entry in record["evals"]:
-            for tracker in trackers:
-                tracker.write({"type": "eval", **entry})
-        summary = {"type": "summary", "step": record["steps"], "event": "end",
-                   **{key: value for key, value in record.items() if isinstance(value, (int, float, str))
-                      and key not in ("steps", "config_sha256")}}
-        for tracker in trackers:
-            tracker.write(summary)
-    finally:
-        for tracker in trackers:
-            tracker.close()
+            writer.write({"type": "eval", **entry})
+        writer.write({"type": "summary", "step": record["steps"], "event": "end",
+                      **{key: value for key, value in record.items() if isinstance(value, (int, float, str))
+                         and key not in ("steps", "config_sha256")}})
 
 
 def _key(member: Member) -> tuple[str, int, str]:

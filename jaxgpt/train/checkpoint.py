@@ -460,9 +460,28 @@ def load_run(run_dir: str | Path, warn: Callable[[str], None] = _to_stderr) -> t
 
 def load_newest(run_dir: str | Path, warn: Callable[[str], None] = _to_stderr) -> tuple[ModelConfig, Params, int]:
     """`load_run`, and the step of the checkpoint it read."""
+    return load_step(run_dir, None, warn)
+
+
+def load_step(run_dir: str | Path, step: int | None = None,
+              warn: Callable[[str], None] = _to_stderr) -> tuple[ModelConfig, Params, int]:
+    """`load_newest`, or the checkpoint of `step` (one line where the run has none at it)."""
     cfg = load_run_config(run_dir)
+    params, step = read_params(run_dir, cfg, step, warn)
+    return cfg.model, params, step
+
+
+def read_params(run_dir: str | Path, cfg: RunConfig, step: int | None = None,
+                warn: Callable[[str], None] = _to_stderr) -> tuple[Params, int]:
+    """The params and step of a run whose config the caller has read (`load_run_config`): the
+    newest good checkpoint's, or those of `step`."""
     checkpointer = Checkpointer(Path(run_dir), keep=cfg.train.keep_checkpoints, read_only=True)
     try:
+        if step is not None:
+            if step not in checkpointer.steps():
+                raise UserError(f"{run_dir} has no checkpoint at step {step} (it has {checkpointer.steps() or 'none'})")
+            params, _ = checkpointer.restore_params(_reader_target(cfg), step, lambda: abstract_state(cfg))
+            return params, step
         found = checkpointer.restore_newest_good(_reader_target(cfg), warn, params_only=True,
                                                  whole=lambda: abstract_state(cfg))
     finally:
@@ -470,19 +489,4 @@ def load_newest(run_dir: str | Path, warn: Callable[[str], None] = _to_stderr) -
     if found is None:
         raise FileNotFoundError(f"no good checkpoint in {RunDir(run_dir).checkpoints}")
     params, manifest = found
-    return cfg.model, params, manifest["step"]
-
-
-def load_step(run_dir: str | Path, step: int | None = None) -> tuple[ModelConfig, Params, int]:
-    """`load_newest`, or the checkpoint of `step` (one line where the run has none at it)."""
-    if step is None:
-        return load_newest(run_dir)
-    cfg = load_run_config(run_dir)
-    checkpointer = Checkpointer(Path(run_dir), keep=cfg.train.keep_checkpoints, read_only=True)
-    try:
-        if step not in checkpointer.steps():
-            raise UserError(f"{run_dir} has no checkpoint at step {step} (it has {checkpointer.steps() or 'none'})")
-        params, _ = checkpointer.restore_params(_reader_target(cfg), step, lambda: abstract_state(cfg))
-    finally:
-        checkpointer.close()
-    return cfg.model, params, step
+    return params, manifest["step"]
