@@ -13,7 +13,8 @@ from jaxgpt.data.batches import RunData, batch_width, document_starts, get_batch
 from jaxgpt.data.store import Tokens, TokenSplits
 from jaxgpt.evaluation.generate import generate
 from jaxgpt.evaluation.scoring import score_pairs
-from jaxgpt.model.decoder import forward, forward_cached, init_cache, init_params
+from jaxgpt.model.cache import init_cache
+from jaxgpt.model.decoder import forward, forward_cached, init_params
 from jaxgpt.train.step import compile_steps, init_state
 
 EOT = 63

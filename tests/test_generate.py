@@ -289,3 +289,71 @@ def test_vocab_limit_keeps_samples_inside_the_tokenizer():
     assert max(limited) < 10
     with pytest.raises(ValueError, match="vocab_limit"):
         generate(params, cfg, [[1]], 2, vocab_limit=0)
+
+
+def sorted_reference(logits_BV, rng, top_k, top_p):
+    """The sampling rule with a full sort of the vocabulary (`lax.top_k` for the k-th, a descending
+    sort for the nucleus), written here from its definition: the tokens it draws are the rule's."""
+    if top_k is not None:
+        kth_B1 = jax.lax.top_k(logits_BV, top_k)[0][:, -1:]
+        logits_BV = jnp.where(logits_BV < kth_B1, -jnp.inf, logits_BV)
+    if top_p is not None:
+        sorted_BV = -jnp.sort(-logits_BV, axis=-1)
+        probs_BV = jax.nn.softmax(sorted_BV, axis=-1)
+        n_keep_B = jnp.sum(jnp.cumsum(probs_BV, axis=-1) - probs_BV < top_p - 1e-6, axis=-1)
+        logits_BV = jnp.where(logits_BV < jnp.take_along_axis(sorted_BV, n_keep_B[:, None] - 1, axis=-1), -jnp.inf,
+                              logits_BV)
+    return jax.random.categorical(rng, logits_BV, axis=-1)
+
+
+@pytest.mark.parametrize("top_k, top_p", [(40, None), (40, 0.9), (3000, 0.5), (None, 0.9), (1, 0.5)])
+def test_top_k_and_top_p_over_slices_of_a_large_vocabulary_draw_as_a_full_sort(top_k, top_p):
+    """A vocabulary of 50,304 ranked slice by slice (`largest`): the k largest values equal
+    lax.top_k's, ties and excluded ids included, and every draw equals the full sort's."""
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(6, 50_304)).astype(np.float32) * 3
+    logits[0, rng.choice(50_304, 300, replace=False)] = logits[0].max()  # ties with the largest
+    logits[1, 1000:] = -np.inf  # a vocab limit below k's slices
+    logits[2, :64] = np.round(logits[2, :64])  # ties with the k-th
+    logits = jnp.asarray(logits)
+    for k in (1, 40, 3000):
+        np.testing.assert_array_equal(generate_module.largest(logits, k), jax.lax.top_k(logits, k)[0])
+    for seed in range(3):
+        key = jax.random.key(seed)
+        options = dict(temperature=1.0, top_k=top_k, top_p=top_p)
+        np.testing.assert_array_equal(sample_logits(logits, key, **options), sorted_reference(logits, key, top_k, top_p))
+
+
+@pytest.mark.parametrize("cfg", [dataclasses.replace(LEARNED, dtype="bfloat16"),
+                                 dataclasses.replace(ROPE_GQA, dtype="bfloat16", tie_embeddings=False)],
+                         ids=["tied", "untied"])
+def test_decoding_weights_are_cast_once_and_decode_the_same_logits(cfg):
+    """A bfloat16 model's matrices reach the decode programs in bfloat16 (each converted once,
+    before the loop), a tied embedding keeps its float32 table for the lookups beside a bfloat16
+    copy for the head, the norms stay float32; the logits of a cached pass are bitwise those of
+    the params as trained. The CPU set, which promotes its weights to float32 before its own
+    bfloat16 matmul, keeps every leaf as it is."""
+    from jaxgpt.kernels import PORTABLE
+    from jaxgpt.model.cache import init_cache
+    from jaxgpt.model.decoder import forward_cached
+
+    params = params_for(cfg)
+    weights = generate_module.decoding_weights(params, cfg, kernels=PORTABLE)
+    dtypes = {jax.tree_util.keystr(path): leaf.dtype for path, leaf in jax.tree_util.tree_leaves_with_path(weights.params)}
+    assert dtypes["['blocks']['attention']['qkv']['kernel']"] == dtypes["['blocks']['feed_forward']['down']['kernel']"] \
+        == jnp.bfloat16
+    assert dtypes["['blocks']['attention_norm']['scale']"] == dtypes["['token_embedding']['embedding']"] == jnp.float32
+    assert (weights.tied_head is not None) == cfg.tie_embeddings
+    if cfg.tie_embeddings:
+        assert weights.tied_head.dtype == jnp.bfloat16
+    else:
+        assert dtypes["['lm_head']['kernel']"] == jnp.bfloat16
+    tokens = jnp.array([[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]])
+    cached = init_cache(cfg, 2, 16)
+    want = forward_cached(params, cfg, tokens, cached, kernels=PORTABLE)[0]
+    got = forward_cached(weights.params, cfg, tokens, cached, kernels=PORTABLE, tied_head=weights.tied_head)[0]
+    np.testing.assert_array_equal(got, want)
+    cpu = choose_kernels(cfg)
+    assert cpu.float32_activations  # this machine's set: its dense layers promote to float32
+    kept = generate_module.decoding_weights(params, cfg, kernels=cpu).params
+    assert {leaf.dtype for leaf in jax.tree_util.tree_leaves(kept)} == {jnp.dtype(jnp.float32)}

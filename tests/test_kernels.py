@@ -149,7 +149,8 @@ def test_the_kernels_compiler_options_reach_the_compiled_steps():
 
 
 def test_an_unrolled_layer_scan_computes_the_same_model_on_the_same_params():
-    from jaxgpt.model.decoder import forward_cached, init_cache
+    from jaxgpt.model.cache import init_cache
+    from jaxgpt.model.decoder import forward_cached
 
     cfg = BASE
     unrolled = dataclasses.replace(PORTABLE, scan_unroll=8)  # more than the layers: no loop at all

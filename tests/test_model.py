@@ -12,11 +12,11 @@ import optax
 import pytest
 
 from jaxgpt.config import ModelConfig
+from jaxgpt.model.cache import init_cache
 from jaxgpt.model.decoder import (
     count_params,
     forward,
     forward_cached,
-    init_cache,
     init_params,
     stack_blocks,
     unstack_blocks,

@@ -13,7 +13,8 @@ import pytest
 
 from jaxgpt.evaluation import scoring
 from jaxgpt.evaluation.generate import generate
-from jaxgpt.model.decoder import forward, forward_cached, init_cache, init_params, unstack_blocks
+from jaxgpt.model.cache import init_cache
+from jaxgpt.model.decoder import forward, forward_cached, init_params, unstack_blocks
 from jaxgpt.nanochat import model_config
 
 GPT = {"sequence_len": 32, "vocab_size": 100, "n_layer": 3, "n_head": 4, "n_kv_head": 2, "n_embd": 32,

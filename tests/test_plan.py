@@ -65,7 +65,7 @@ def test_a_plan_compiles_train_eval_and_sampling_and_compares_them_with_the_chip
     for figures in (compiled, compiled["eval"], compiled["decode"]):
         assert figures["total_bytes"] == (figures["argument_bytes"] + figures["output_bytes"]
                                           - figures["alias_bytes"] + figures["temp_bytes"]) > 0
-    assert compiled["decode"]["program"] in ("start", "advance")
+    assert compiled["decode"]["program"] in ("start", "advance", "slide")
     opt = record["opt_state_bytes_per_device"]
     assert record["peak_bytes"] == max(compiled["total_bytes"], compiled["eval"]["total_bytes"] + opt,
                                        compiled["decode"]["total_bytes"] + opt)
@@ -76,11 +76,11 @@ def test_a_plan_compiles_train_eval_and_sampling_and_compares_them_with_the_chip
 
 def test_a_plan_writes_the_optimised_hlo_of_every_program_it_compiled(h100, hlo_root):
     """The compiled programs' own text: the train step's cuDNN calls as the record counts them,
-    the sampler's prefill and its token loop (a while loop) apart."""
+    the sampler's prefill, its token loop (a while loop) and its slide apart."""
     from jaxgpt.plan.programs import cudnn_attention_calls
 
     folder = hlo_root / "mha"
-    texts = {name: (folder / f"{name}.hlo.txt").read_text() for name in ("train", "eval", "prefill", "decode")}
+    texts = {name: (folder / f"{name}.hlo.txt").read_text() for name in ("train", "eval", "prefill", "decode", "slide")}
     assert sorted(p.name for p in folder.iterdir()) == sorted(f"{name}.hlo.txt" for name in texts)
     assert all(text.startswith("HloModule ") for text in texts.values())
     compiled = h100[0]["compiled"]
@@ -89,6 +89,20 @@ def test_a_plan_writes_the_optimised_hlo_of_every_program_it_compiled(h100, hlo_
     assert "fmhaSoftmaxBackward" in texts["train"] and "fmhaSoftmaxBackward" not in texts["eval"]
     assert " while(" in texts["decode"] and texts["decode"] != texts["prefill"]
     assert ("HloModule jit__advance" in texts["decode"]) and ("HloModule jit__start" in texts["prefill"])
+    assert "HloModule jit__slide" in texts["slide"] and " while(" not in texts["slide"]
+
+
+def test_the_token_loop_reads_the_weights_and_the_cache_where_they_lie(h100, hlo_root):
+    """An iteration of the H100 decode loop of the bfloat16 model above (tied head, batch one,
+    top-k 40) converts no weight (the sampler casts them before the loop), copies and transposes
+    no cache (its layout is the read's) and holds no branch (a slide is a program of its own).
+    Of its writes as large as a layer's cache or its smallest matrix (65,536 elements), only
+    products of a vector with a matrix that XLA leaves apart from their sum remain."""
+    from jaxgpt.plan.loop_ops import loop_ops
+
+    found = loop_ops((hlo_root / "mha" / "decode.hlo.txt").read_text(), large=4 * 256 * 64)
+    assert found["conditionals"] == 0 and found["launches"] > 0
+    assert {write["root"] for write in found["large_writes"]} <= {"multiply"}, found["large_writes"]
 
 
 def test_dry_run_hlo_writes_what_it_compiled_here_and_needs_a_compile(tmp_path, capsys):

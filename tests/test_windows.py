@@ -14,7 +14,8 @@ from jaxgpt.errors import UserError
 from jaxgpt.evaluation import generate as generate_module
 from jaxgpt.evaluation.generate import generate, lower_decoding
 from jaxgpt.kernels import PORTABLE, choose_kernels
-from jaxgpt.model.decoder import forward, forward_cached, init_cache, init_params
+from jaxgpt.model.cache import init_cache
+from jaxgpt.model.decoder import forward, forward_cached, init_params
 from jaxgpt.model.shortcuts import window_plan
 from jaxgpt.train.runtime import make_runtime
 from jaxgpt.train.step import compile_steps
@@ -86,7 +87,7 @@ def test_a_windowed_model_decodes_past_its_context_on_a_ring_of_its_window():
     cfg, params = model("model.position=rope", "model.n_layers=2", "model.attention_window=4", "model.mtp_depth=1")
     for n in (100, 10_000):
         state = lower_decoding(params, cfg, max_new_tokens=n)["advance"].args_info[0][1]
-        assert state["cache"]["k"].shape == (2, 1, 4, 4, 8)  # [L, B, W, K, D]: the bytes do not follow n
+        assert state["cache"]["k"].shape == (2, 1, 4, 4, 8)  # [L, B, K, W, D]: the bytes do not follow n
     tokens = jax.random.randint(jax.random.key(1), (2, 24), 0, 64)
     want = forward(params, cfg, tokens)
     got, cache = forward_cached(params, cfg, tokens[:, :9], init_cache(cfg, 2, 5, ring=True), fresh=True)
@@ -120,7 +121,7 @@ def test_a_long_short_model_caches_each_block_as_far_as_it_reads(monkeypatch, sc
                         f"model.scan_layers={str(scan).lower()}")
     state = lower_decoding(params, cfg, max_new_tokens=100)["advance"].args_info[0][1]
     cache = jax.tree_util.tree_map(lambda x: x.shape, state["cache"])
-    assert cache["k"] == (1, 1, 32, 4, 8) and cache["ring"]["k"] == (2, 1, 4, 4, 8)  # [L, B, S or W, K, D]
+    assert cache["k"] == (1, 1, 4, 32, 8) and cache["ring"]["k"] == (2, 1, 4, 4, 8)  # [L, B, K, S or W, D]
     tokens = jax.random.randint(jax.random.key(1), (2, 24), 0, 64)
     got, cache = forward_cached(params, cfg, tokens[:, :9], init_cache(cfg, 2, 24, window_slots=5), fresh=True)
     pieces, step = [got], jax.jit(lambda tokens, cache: forward_cached(params, cfg, tokens, cache))
@@ -137,13 +138,13 @@ def test_a_long_short_model_caches_each_block_as_far_as_it_reads(monkeypatch, sc
     layered = [generate(params, cfg, prompts, 50, temperature=0.0, **run) for run in runs]
     # The sampler's two programs traced anew with whole-context caches, and dropped again after:
     # they are cached by the config, which the patch leaves as it is.
-    sampler = (generate_module._start, generate_module._advance)
+    sampler = (generate_module._start, generate_module._advance, generate_module._slide)
     for program in sampler:
         program.clear_cache()
     monkeypatch.setattr(generate_module, "layered_cache_slots", lambda cfg, draft=0: 0)
     try:
         state = lower_decoding(params, cfg, max_new_tokens=100)["advance"].args_info[0][1]
-        assert "ring" not in state["cache"] and state["cache"]["k"].shape == (3, 1, 32, 4, 8)
+        assert "ring" not in state["cache"] and state["cache"]["k"].shape == (3, 1, 4, 32, 8)
         assert layered == [generate(params, cfg, prompts, 50, temperature=0.0, **run) for run in runs]
     finally:
         for program in sampler:

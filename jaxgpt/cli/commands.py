@@ -57,7 +57,7 @@ def cmd_dry_run(args: argparse.Namespace) -> int:
         record.update({"kernels": choose_kernels(model).name, "mode": mode, "devices": jax.device_count(),
                        **planned_memory(cfg, mesh)})
     if args.hlo is not None:
-        written = ", ".join(hlo_file_names(programs))
+        written = ", ".join(hlo_file_names(programs, cfg))
         print(f"jaxgpt dry-run: the optimised HLO of each program in {args.hlo}: {written}", file=sys.stderr)
     if record.get("fits") is False and record.get("sampler_fits"):
         print(f"jaxgpt dry-run: training does not fit {args.target}, but the params and the sampler do: "

@@ -90,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="also find the largest global batch (train.batch_size) that fits the target's chips")
     dry.add_argument("--hlo", metavar="DIR",
                      help="with --target or --compile: write the optimised HLO text of each program compiled to DIR "
-                          "(train.hlo.txt, eval.hlo.txt, prefill.hlo.txt, decode.hlo.txt)")
+                          "(train.hlo.txt, eval.hlo.txt, prefill.hlo.txt, decode.hlo.txt, slide.hlo.txt)")
     dry.add_argument("--headroom", type=float, default=None, metavar="SHARE",
                      help="the share of each chip's memory the programs may fill to fit (default 0.9; less leaves "
                           "room for another process on the chip)")

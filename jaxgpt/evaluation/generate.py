@@ -13,13 +13,15 @@ How a batch is decoded (each rule keeps one sequence's tokens independent of its
   past the query's position).
 - The decode loop is a `lax.while_loop` on device: one forward pass per iteration for every row,
   the whole sequence kept in a device buffer. The host only asks for "decode until every row has
-  N new tokens", so streaming costs one call per chunk, not one per token.
+  N new tokens", so streaming costs one call per chunk, not one per token. The loop reads the
+  params as `decoding_weights` cast them once (a bfloat16 model's matrices in bfloat16), and the
+  cache in the layout its reads want (`jaxgpt.model.cache`), writing each new entry in place.
 - The cache holds `context_length` positions. When a row's cache is full and another token must
-  go in, that row alone slides: its cache is rebuilt by prefilling the last
-  `max(1, context_length // 2)` tokens of its sequence (the new token included), and decoding
-  continues from there. So the window a prediction sees is the sequence from the row's last slide
-  point on, never longer than `context_length`: nanoGPT's crop, but re-encoded only every
-  `context_length // 2` steps instead of every step.
+  go in, the loop stops and that row alone slides (`_slide`, a program of its own): its cache is
+  rebuilt by prefilling the last `max(1, context_length // 2)` tokens of its sequence, the
+  pending one last, which the loop then feeds again as usual. So the window a prediction sees is the sequence from the row's
+  last slide point on, never longer than `context_length`: nanoGPT's crop, but re-encoded only
+  every `context_length // 2` steps instead of every step.
 - Speculative decoding (greedy, `mtp_depth >= 1`): the MTP adapters read at a row's newest
   position draft the `mtp_depth` tokens after the next one; one cached forward pass over the
   pending token and its drafts gives the greedy token at each of those positions; drafts are kept
@@ -28,8 +30,9 @@ How a batch is decoded (each rule keeps one sequence's tokens independent of its
 
 Compiled functions are module-level `jax.jit`s with the config and sampling options static, so
 repeated calls (a sample at every eval) reuse them: one prefill per (cfg, batch, bucket,
-buffer size, options) and one decode loop per (cfg, batch, buffer size, options); the buffer
-size is a power of two.
+buffer size, options), one decode loop and one slide per (cfg, batch, buffer size, options); the
+buffer size is a power of two. Top-k ranks the vocabulary slice by slice (`largest`), exactly,
+without sorting all of it every token.
 
 Array names follow the shape legend in `jaxgpt.model.decoder` (S is the cache's length, `context_length`),
 with a few of this file's own: N the sequence buffer, P the prompt bucket, J the tokens fed in one
@@ -42,7 +45,7 @@ import functools
 import math
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -51,17 +54,20 @@ import numpy as np
 from jaxgpt.config import ModelConfig
 from jaxgpt.errors import UserError
 from jaxgpt.kernels.choose import choose_kernels
-from jaxgpt.model.decoder import (
+from jaxgpt.model.cache import (
     Cache,
-    Params,
     document_floors,
-    forward_cached,
     init_cache,
     layered_cache_slots,
     layered_from,
+    padded,
     ring_cache_length,
     ring_from,
+    select_rows,
 )
+from jaxgpt.model.decoder import Params, forward_cached
+from jaxgpt.model.dtypes import compute_dtype
+from jaxgpt.model.read_dtypes import cast_leaf, read_targets
 
 # A finished row (one that produced `stop_token`) yields this from then on.
 FINISHED = -1
@@ -100,19 +106,43 @@ def sample_logits(
         return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
     logits_BV = logits_BV / temperature
     V = logits_BV.shape[-1]
+    top_BN = None  # the candidates for the nucleus, in descending order
     if top_k is not None and top_k < V:
-        kth_B1 = jax.lax.top_k(logits_BV, top_k)[0][:, -1:]
-        logits_BV = jnp.where(logits_BV < kth_B1, -jnp.inf, logits_BV)
+        top_BN = largest(logits_BV, top_k)
+        logits_BV = jnp.where(logits_BV < top_BN[:, -1:], -jnp.inf, logits_BV)
     if top_p is not None and top_p < 1.0:
-        sorted_BV = -jnp.sort(-logits_BV, axis=-1)  # descending
-        probs_BV = jax.nn.softmax(sorted_BV, axis=-1)
-        mass_before_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV
+        if top_BN is None:
+            top_BN = -jnp.sort(-logits_BV, axis=-1)  # descending
+        # Each candidate's probability among every token still in (ties with the k-th included).
+        peak_B1 = top_BN[:, :1]
+        probs_BN = jnp.exp(top_BN - peak_B1) / jnp.exp(logits_BV - peak_B1).sum(-1, keepdims=True)
+        mass_before_BN = jnp.cumsum(probs_BN, axis=-1) - probs_BN
         # A token is in the nucleus while the mass of the more likely ones is still short of
-        # top_p; the first has mass_before 0 < top_p, so at least one token stays.
-        n_keep_B = jnp.sum(mass_before_BV < top_p - _TOP_P_SLACK, axis=-1)
-        threshold_B1 = jnp.take_along_axis(sorted_BV, n_keep_B[:, None] - 1, axis=-1)
+        # top_p; the first has mass_before 0 < top_p, so at least one token stays. Past the k
+        # candidates only ties with the k-th remain: the k-th's value is the threshold then too.
+        n_keep_B = jnp.sum(mass_before_BN < top_p - _TOP_P_SLACK, axis=-1)
+        threshold_B1 = jnp.take_along_axis(top_BN, n_keep_B[:, None] - 1, axis=-1)
         logits_BV = jnp.where(logits_BV < threshold_B1, -jnp.inf, logits_BV)
     return jax.random.categorical(rng, logits_BV, axis=-1).astype(jnp.int32)
+
+
+# Tokens a row's first round of `largest` ranks at once. Ranking each slice of the vocabulary
+# and then the slices' best costs a sort of this many and one of k per slice, where XLA would
+# otherwise sort the whole vocabulary every token (`lax.approx_max_k` would not: it may miss
+# one of the k, which changes the sampled distribution).
+TOP_K_SLICE = 1024
+
+
+def largest(x_BV: jax.Array, k: int) -> jax.Array:
+    """[B, k]: each row's k largest values in descending order, exactly as `lax.top_k`'s, from
+    slices of the row: each of the k largest is among the k largest of its own slice."""
+    B, V = x_BV.shape
+    width = max(k, TOP_K_SLICE)
+    if V <= 2 * width:
+        return jax.lax.top_k(x_BV, k)[0]
+    n = -(-V // width)
+    sliced_BNW = jnp.pad(x_BV, ((0, 0), (0, n * width - V)), constant_values=-jnp.inf).reshape(B, n, width)
+    return jax.lax.top_k(jax.lax.top_k(sliced_BNW, k)[0].reshape(B, n * k), k)[0]
 
 
 _STATIC = ("cfg", "temperature", "top_k", "top_p", "vocab_limit", "draft", "mesh", "document_token")
@@ -131,6 +161,46 @@ def _kernels(cfg: ModelConfig, mesh: Any) -> Any:
     return kernels if mesh is None else kernels.on_mesh(mesh, batch_axes=())
 
 
+class Weights(NamedTuple):
+    """The params as the decode programs read them (`decoding_weights`)."""
+
+    params: Params
+    tied_head: jax.Array | None  # a tied embedding in the compute dtype, for the head alone
+
+
+def decoding_weights(params: Params, cfg: ModelConfig, draft: int = 0, document_token: int | None = None,
+                     kernels: Any = None) -> Weights:
+    """`params` converted once, before any decode loop, to the dtype the model reads each in
+    (`jaxgpt.model.read_dtypes`: a bfloat16 model's matrices), with a tied head's own converted
+    copy; every value decoded is unchanged. `params` may be `jax.ShapeDtypeStruct`s (a plan);
+    `kernels`: those the decoding runs (default: the sampler's)."""
+    leaves, tree = jax.tree_util.tree_flatten(params)
+    kernels = _kernels(cfg, params_mesh(params)) if kernels is None else kernels
+    dtype = compute_dtype(cfg)
+    table = params["token_embedding"]["embedding"]
+    head = cast_leaf(table, dtype) if cfg.tie_embeddings and table.dtype != dtype else None
+    shapes = tuple((leaf.shape, np.dtype(leaf.dtype).name) for leaf in leaves)
+    targets = _read_targets(cfg, kernels, draft, document_token, tree, shapes, head is not None)
+    return Weights(tree.unflatten([cast_leaf(leaf, target) for leaf, target in zip(leaves, targets)]), head)
+
+
+@functools.lru_cache(maxsize=32)
+def _read_targets(cfg: ModelConfig, kernels: Any, draft: int, document_token: int | None, tree: Any,
+                  shapes: tuple, own_head: bool) -> tuple[Any, ...]:
+    """The dtype each params leaf is converted to for decoding (None: kept), from one decode
+    step's traced program; cached, so a sampler called at every eval traces the model once."""
+    dtype = compute_dtype(cfg)
+
+    def step(params: Params) -> Any:
+        head = jnp.zeros((cfg.vocab_size, cfg.d_model), dtype) if own_head else None
+        cache = _cache_for(cfg, 1, draft, document_token)
+        return forward_cached(params, cfg, jnp.zeros((1, 1 + draft), jnp.int32), cache, all_depths=draft > 0,
+                              kernels=kernels, document_token=document_token, tied_head=head)
+
+    abstract = tree.unflatten([jax.ShapeDtypeStruct(shape, np.dtype(name)) for shape, name in shapes])
+    return tuple(read_targets(abstract, step))
+
+
 def _cache_for(cfg: ModelConfig, batch: int, draft: int, document_token: int | None) -> Cache:
     """context_length positions, plus `draft` slots a speculative block may write past the end;
     for a model whose every block is windowed, a ring of the window and the drafts' slots; for a
@@ -140,8 +210,8 @@ def _cache_for(cfg: ModelConfig, batch: int, draft: int, document_token: int | N
         return init_cache(cfg, batch, ring, documents=documents, ring=True)
     cache = init_cache(cfg, batch, cfg.context_length, documents=documents, window_slots=layered_cache_slots(cfg, draft))
     if draft:
-        pad = ((0, 0), (0, 0), (0, draft), (0, 0), (0, 0))
-        cache = {**cache, "k": jnp.pad(cache["k"], pad), "v": jnp.pad(cache["v"], pad)}
+        k, v = padded((cache["k"], cache["v"]), draft)
+        cache = {**cache, "k": k, "v": v}
         if "tokens" in cache:
             cache["tokens"] = jnp.pad(cache["tokens"], ((0, 0), (0, draft)))
     return cache
@@ -168,16 +238,6 @@ def _drafts(logits: jax.Array, pos_B: jax.Array, draft: int) -> jax.Array:
     return jnp.argmax(ahead_DBV, axis=-1).T.astype(jnp.int32)
 
 
-def _select(take_B: jax.Array, a: Any, b: Any) -> Any:
-    """Per row: `a` where take_B, else `b`. Cache k/v carry the batch on axis 1, the rest on axis 0."""
-    def pick(x, y):
-        axis = 1 if x.ndim == 5 else 0
-        shape = [1] * x.ndim
-        shape[axis] = -1
-        return jnp.where(take_B.reshape(shape), x, y)
-    return jax.tree_util.tree_map(pick, a, b)
-
-
 def _append(state: dict[str, Any], block_BJ: jax.Array, n_new_B: jax.Array, stop_token: jax.Array) -> dict[str, Any]:
     """Write each row's first n_new tokens of `block` at its end; a stop token among them ends the row."""
     length_B = state["length"]
@@ -191,7 +251,7 @@ def _append(state: dict[str, Any], block_BJ: jax.Array, n_new_B: jax.Array, stop
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("size",))
 def _start(
-    params: Params, tokens_BP: jax.Array, lengths_B: jax.Array, max_new: jax.Array, stop_token: jax.Array,
+    weights: Weights, tokens_BP: jax.Array, lengths_B: jax.Array, max_new: jax.Array, stop_token: jax.Array,
     key: jax.Array, *, size: int, cfg: ModelConfig, temperature: float, top_k: int | None,
     top_p: float | None, vocab_limit: int | None, draft: int, mesh: Any = None, document_token: int | None = None,
 ) -> dict[str, Any]:
@@ -203,8 +263,9 @@ def _start(
     # through a linear cache of the prompts' width first.
     empty = init_cache(cfg, B, P, documents=document_token is not None) if ring or window_slots else \
         _cache_for(cfg, B, draft, document_token)
-    logits, cache = forward_cached(params, cfg, tokens_BP, empty, all_depths=draft > 0, fresh=True,
-                                   kernels=_kernels(cfg, mesh), document_token=document_token)
+    logits, cache = forward_cached(weights.params, cfg, tokens_BP, empty, all_depths=draft > 0, fresh=True,
+                                   kernels=_kernels(cfg, mesh), document_token=document_token,
+                                   tied_head=weights.tied_head)
     cache["index"] = lengths_B  # each row's later writes start at its true end, over the padding
     if ring:
         cache = ring_from(cache, lengths_B, ring)
@@ -222,63 +283,45 @@ def _start(
     return _append(state, tokens_B[:, None], jnp.ones_like(lengths_B), stop_token)
 
 
-def _step(params: Params, state: dict[str, Any], stop_token: jax.Array, key: jax.Array, *,
+def _step(weights: Weights, state: dict[str, Any], stop_token: jax.Array, key: jax.Array, *,
           cfg: ModelConfig, draft: int, mesh: Any = None, document_token: int | None = None,
           **options: Any) -> dict[str, Any]:
     """One forward pass per row: feed the pending token (and its drafts), append what it yields.
 
-    The cache holds the row's window but its last token (`pending`, seq[length - 1]). A row whose
-    cache is full slides instead: it re-prefills its last `slide_length` tokens. With drafts, the
-    greedy tokens at each fed position are the plain greedy continuation; the drafts that equal
-    them are accepted (never past the window's end, where plain decoding would slide), and the
-    first greedy token that differs from its draft comes free with them.
+    The cache holds the row's window but its last token (`pending`, seq[length - 1]); no row's
+    cache is full (`_slide` has made room). With drafts, the greedy tokens
+    at each fed position are the plain greedy continuation; the drafts that equal them are
+    accepted (never past the window's end, where plain decoding would slide), and the first
+    greedy token that differs from its draft comes free with them.
     """
-    S, W = cfg.context_length, slide_length(cfg)
+    S = cfg.context_length
     seq_BN, length_B, cache = state["seq"], state["length"], state["cache"]
     active_B = length_B < state["end"]
-    ring = "slot_positions" in cache  # never full: a row decodes on past the context without sliding
-    full_B = jnp.zeros_like(active_B) if ring else cache["index"] >= S
+    ring = "slot_positions" in cache
     rng = jax.random.fold_in(key, state["step"])
     pending_B = _at(seq_BN, length_B - 1)
     fed_BJ = jnp.concatenate([pending_B[:, None], state["drafts"]], axis=1)
-    logits, stepped_cache = forward_cached(params, cfg, fed_BJ, cache, all_depths=draft > 0,
-                                           kernels=_kernels(cfg, mesh), document_token=document_token)
+    logits, new_cache = forward_cached(weights.params, cfg, fed_BJ, cache, all_depths=draft > 0,
+                                       kernels=_kernels(cfg, mesh), document_token=document_token,
+                                       tied_head=weights.tied_head)
     if draft:
         greedy_BJ = jnp.argmax(logits[0], axis=-1).astype(jnp.int32)
         agree_B = jnp.cumprod(greedy_BJ[:, :draft] == state["drafts"], axis=1).sum(axis=1)
         if not ring:
             agree_B = jnp.clip(agree_B, 0, S - 1 - cache["index"])
         agree_B = agree_B.astype(jnp.int32)
-        stepped = (greedy_BJ, agree_B + 1, _drafts(logits, agree_B, draft))
+        block_BJ, n_new_B, drafts_BD = greedy_BJ, agree_B + 1, _drafts(logits, agree_B, draft)
     else:
         tokens_B, drafts_BD = _next_tokens(logits, jnp.zeros_like(length_B), rng, draft, options)
-        stepped = (tokens_B[:, None], jnp.ones_like(length_B), drafts_BD)
-        agree_B = jnp.zeros_like(length_B)
-    stepped_cache = {**stepped_cache, "index": cache["index"] + stepped[1]}
+        block_BJ, n_new_B, agree_B = tokens_B[:, None], jnp.ones_like(length_B), jnp.zeros_like(length_B)
+    new_cache = {**new_cache, "index": cache["index"] + n_new_B}
     if document_token is not None:  # the document of the last token kept, not of a rejected draft
         floors_BJ = document_floors(fed_BJ, document_token, cache["index"], cache["floor"])
-        stepped_cache["floor"] = _at(floors_BJ, stepped[1] - 1)
-
-    def slide(_):
-        window_BW = jax.vmap(lambda row, at: jax.lax.dynamic_slice(row, (at,), (W,)))(
-            seq_BN, jnp.maximum(length_B - W, 0))
-        logits, fresh = forward_cached(params, cfg, window_BW, _cache_for(cfg, seq_BN.shape[0], draft, document_token),
-                                       all_depths=draft > 0, fresh=True, kernels=_kernels(cfg, mesh),
-                                       document_token=document_token)
-        tokens_B, drafts_BD = _next_tokens(logits, jnp.full_like(length_B, W - 1), rng, draft, options)
-        block_BJ = jnp.zeros_like(stepped[0]).at[:, 0].set(tokens_B)
-        return _select(full_B, ((block_BJ, jnp.ones_like(length_B), drafts_BD), fresh), (stepped, stepped_cache))
-
-    if ring:
-        (block_BJ, n_new_B, drafts_BD), new_cache = stepped, stepped_cache
-    else:
-        (block_BJ, n_new_B, drafts_BD), new_cache = jax.lax.cond(
-            (full_B & active_B).any(), slide, lambda _: (stepped, stepped_cache), None)
-    counted_B = active_B & ~full_B
+        new_cache["floor"] = _at(floors_BJ, n_new_B - 1)
     new = _append({**state, "cache": new_cache, "drafts": drafts_BD}, block_BJ, n_new_B, stop_token)
     new["step"] = state["step"] + 1
-    new["drafted"] = state["drafted"] + draft * counted_B.sum(dtype=jnp.int32)
-    new["accepted"] = state["accepted"] + jnp.where(counted_B, agree_B, 0).sum(dtype=jnp.int32)
+    new["drafted"] = state["drafted"] + draft * active_B.sum(dtype=jnp.int32)
+    new["accepted"] = state["accepted"] + jnp.where(active_B, agree_B, 0).sum(dtype=jnp.int32)
     # A finished row stays where it was. Its later writes land at or past its end, in sequence
     # slots and cache positions nothing reads again, so only its counters need holding (selecting
     # whole caches would cost more than the step's matmuls at batch one).
@@ -288,21 +331,53 @@ def _step(params: Params, state: dict[str, Any], stop_token: jax.Array, key: jax
     return new
 
 
+def _full(state: dict[str, Any], cfg: ModelConfig) -> jax.Array:
+    """[B] the unfinished rows whose cache has no room for their pending token (never in a ring,
+    where a row decodes on past the context)."""
+    cache = state["cache"]
+    if "slot_positions" in cache:
+        return jnp.zeros_like(state["length"], bool)
+    return (cache["index"] >= cfg.context_length) & (state["length"] < state["end"])
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("state",))
+def _slide(
+    weights: Weights, state: dict[str, Any], *, cfg: ModelConfig, temperature: float, top_k: int | None,
+    top_p: float | None, vocab_limit: int | None, draft: int, mesh: Any = None, document_token: int | None = None,
+) -> dict[str, Any]:
+    """Each full row's cache rebuilt from the `slide_length` tokens that end with its pending one
+    (seq[length - 1]), its index set on that one, the other rows' as they were. The loop then
+    feeds the pending token again, writing its entry over the prefill's, so it reads the
+    `slide_length` tokens that end with it: nanoGPT's crop, re-encoded only once in
+    `slide_length` tokens (the prefill's width is the window's, the one the attention kernels
+    tile). A program of its own, so the token loop never carries a branch that touches the
+    whole cache."""
+    seq_BN, length_B = state["seq"], state["length"]
+    W = slide_length(cfg)
+    window_BW = jax.vmap(lambda row, at: jax.lax.dynamic_slice(row, (at,), (W,)))(seq_BN, jnp.maximum(length_B - W, 0))
+    _, fresh = forward_cached(weights.params, cfg, window_BW, _cache_for(cfg, seq_BN.shape[0], draft, document_token),
+                              fresh=True, kernels=_kernels(cfg, mesh), document_token=document_token,
+                              tied_head=weights.tied_head)
+    fresh = {**fresh, "index": fresh["index"] - 1}
+    return {**state, "cache": select_rows(_full(state, cfg), fresh, state["cache"])}
+
+
 @functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("state",))
 def _advance(
-    params: Params, state: dict[str, Any], target: jax.Array, stop_token: jax.Array, key: jax.Array, *,
+    weights: Weights, state: dict[str, Any], target: jax.Array, stop_token: jax.Array, key: jax.Array, *,
     cfg: ModelConfig, temperature: float, top_k: int | None, top_p: float | None, vocab_limit: int | None,
     draft: int, mesh: Any = None, document_token: int | None = None,
 ) -> dict[str, Any]:
-    """Decode on device until every unfinished row holds at least `target` new tokens."""
+    """Decode on device until every unfinished row holds at least `target` new tokens, or a row's
+    cache is full (`_slide` makes room)."""
     options = dict(temperature=temperature, top_k=top_k, top_p=top_p, vocab_limit=vocab_limit)
 
-    def unfinished(s):
+    def unfinished(s):  # and no row must slide first (the host calls `_slide`, then this again)
         goal_B = jnp.minimum(s["end"], s["prompt_length"] + target)
-        return (s["length"] < goal_B).any()
+        return (s["length"] < goal_B).any() & ~_full(s, cfg).any()
 
     def step(s):
-        return _step(params, s, stop_token, key, cfg=cfg, draft=draft, mesh=mesh, document_token=document_token,
+        return _step(weights, s, stop_token, key, cfg=cfg, draft=draft, mesh=mesh, document_token=document_token,
                      **options)
 
     return jax.lax.while_loop(unfinished, step, state)
@@ -310,20 +385,22 @@ def _advance(
 
 def buffer_size(cfg: ModelConfig, prompt_width: int, max_new_tokens: int, draft: int) -> int:
     """The sequence buffer: room for the prompt, the new tokens, one block past the last and its
-    unused write, and at least one sliding window (the slide branch is compiled even when no row
-    will reach it), to the next power of two."""
+    unused write, and at least one sliding window (what a slide re-encodes), to the next power
+    of two."""
     return 1 << (max(prompt_width + max_new_tokens + 2 * (draft + 1), slide_length(cfg)) - 1).bit_length()
 
 
 def lower_decoding(params: Any, cfg: ModelConfig, *, batch: int = 1, prompt_width: int = 1,
                    max_new_tokens: int = 200, temperature: float = 0.8, top_k: int | None = 40,
                    top_p: float | None = None, placed: Any = None) -> dict[str, jax.stages.Lowered]:
-    """The two programs `generate_tokens` runs (the prefill, "start", and the decode loop,
-    "advance") for `batch` prompts of `prompt_width` tokens, lowered from shapes: `params` may be
+    """The programs `generate_tokens` runs (the prefill, "start"; the decode loop, "advance"; and,
+    where the cache is not a ring, a row's slide, "slide") for `batch` prompts of `prompt_width`
+    tokens, lowered from shapes: `params` may be
     `jax.ShapeDtypeStruct`s (with their shardings), and `placed` is the sharding of every other
     argument (default: JAX's default device). Nothing is computed; a plan compiles them."""
     options = dict(cfg=cfg, temperature=float(temperature), top_k=top_k, top_p=top_p, vocab_limit=None, draft=0,
                    mesh=params_mesh(params))
+    weights = decoding_weights(params, cfg)
     size = buffer_size(cfg, prompt_width, max_new_tokens, 0)
 
     def spec(shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
@@ -332,11 +409,14 @@ def lower_decoding(params: Any, cfg: ModelConfig, *, batch: int = 1, prompt_widt
     key = jax.eval_shape(lambda: jax.random.key(0))
     key = spec(key.shape, key.dtype)
     scalar = spec((), jnp.int32)
-    start_args = (params, spec((batch, prompt_width), jnp.int32), spec((batch,), jnp.int32), scalar, scalar, key)
+    start_args = (weights, spec((batch, prompt_width), jnp.int32), spec((batch,), jnp.int32), scalar, scalar, key)
     state = jax.eval_shape(functools.partial(_start, size=size, **options), *start_args)
     state = jax.tree_util.tree_map(lambda leaf: spec(leaf.shape, leaf.dtype), state)
-    return {"start": _start.lower(*start_args, size=size, **options),
-            "advance": _advance.lower(params, state, scalar, scalar, key, **options)}
+    lowered = {"start": _start.lower(*start_args, size=size, **options),
+               "advance": _advance.lower(weights, state, scalar, scalar, key, **options)}
+    if not ring_cache_length(cfg):  # a ring never slides
+        lowered["slide"] = _slide.lower(weights, state, **options)
+    return lowered
 
 
 def bucket_length(length: int, context_length: int) -> int:
@@ -438,12 +518,13 @@ def generate_tokens(
                    draft=cfg.mtp_depth if speculative else 0, mesh=params_mesh(params), document_token=document_token)
     stop = np.int32(-1 if stop_token is None else stop_token)  # -1: no token ever equals it
     width = prompt_width or bucket_length(longest, cfg.context_length)
-    return _decode_loop(params, rows, width, max_new_tokens, jax.random.key(seed), stop,
+    weights = decoding_weights(params, cfg, options["draft"], document_token)
+    return _decode_loop(weights, rows, width, max_new_tokens, jax.random.key(seed), stop,
                         chunk or max(max_new_tokens, 1), stats, options)
 
 
 def _decode_loop(
-    params: Params, rows: list[np.ndarray], P: int, max_new_tokens: int, key: jax.Array, stop: np.int32,
+    weights: Weights, rows: list[np.ndarray], P: int, max_new_tokens: int, key: jax.Array, stop: np.int32,
     chunk: int, stats: dict[str, Any] | None, options: dict[str, Any],
 ) -> Iterator[np.ndarray]:
     cfg: ModelConfig = options["cfg"]
@@ -456,11 +537,14 @@ def _decode_loop(
         return
     size = buffer_size(cfg, P, max_new_tokens, options["draft"])
     started = time.perf_counter()
-    state = _start(params, padded, lengths, np.int32(max_new_tokens), stop, key, size=size, **options)
+    state = _start(weights, padded, lengths, np.int32(max_new_tokens), stop, key, size=size, **options)
     emitted, first = 0, None  # first: (seconds to the first chunk, the tokens it held)
+    full = lambda: bool(np.asarray(_full(state, cfg)).any())
     while True:
         target = min(emitted + chunk, max_new_tokens)
-        state = _advance(params, state, np.int32(target), stop, key, **options)
+        if full():
+            state = _slide(weights, state, **options)
+        state = _advance(weights, state, np.int32(target), stop, key, **options)
         seq, length, end = (np.asarray(state[k]) for k in ("seq", "length", "end"))
         produced = np.minimum(length, end) - lengths  # the new tokens each row holds
         finished = length >= end

@@ -37,7 +37,8 @@ from jaxgpt.config import ModelConfig
 from jaxgpt.errors import UserError
 from jaxgpt.kernels.base import Kernels
 from jaxgpt.kernels.choose import choose_kernels
-from jaxgpt.model.decoder import Params, document_segments, forward, forward_cached, init_cache
+from jaxgpt.model.cache import init_cache
+from jaxgpt.model.decoder import Params, document_segments, forward, forward_cached
 from jaxgpt.process.dispatch import InFlight
 
 MIN_WIDTH = 16

@@ -30,32 +30,35 @@ from jaxgpt.config import ModelConfig
 from jaxgpt.errors import UserError
 from jaxgpt.kernels.base import Kernels, softcap
 from jaxgpt.kernels.choose import PORTABLE
-from jaxgpt.model.layers import (
+from jaxgpt.model.cache import (
+    Cache,
     CachePlace,
-    FeedForward,
     LayerCaches,
+    block_kinds,
+    cache_rows,
+    document_floors,
+    positions,
+    previous_tokens,
+    write_kv,
+    write_ring,
+    write_tokens,
+)
+from jaxgpt.model.dtypes import activation_dtype, compute_dtype
+from jaxgpt.model.layers import (
+    FeedForward,
     TransformerBlock,
     in_a_loop,
-    activation_dtype,
-    compute_dtype,
     dense_init,
     make_norm,
-    ring_positions,
     rms_normalize,
     rope_tables,
     sinusoidal_positions,
-    write_kv,
-    write_ring,
 )
 from jaxgpt.model.nanochat_init import nanochat_init
-from jaxgpt.model.shortcuts import Shared, first_carry, layer_step, layer_table, window_plan
+from jaxgpt.model.shortcuts import Shared, first_carry, layer_step, layer_table
 from jaxgpt.model.token_ids import check_segment_ids, check_token_ids
 
 Params = dict[str, Any]
-# {"k": [L, B, S, K, D], "v": [L, B, S, K, D], "index": [B]}; a long-short model's (`init_cache(...,
-# window_slots=R)`): "k", "v" its whole-context blocks' alone, and "ring": {"k", "v" [n_windowed, B, R,
-# K, D], "slot_positions" [B, R]}.
-Cache = dict[str, Any]
 
 
 class MTPAdapter(nn.Module):
@@ -121,6 +124,7 @@ class Decoder(nn.Module):
     def __call__(
         self, token_ids_BT: jax.Array, cache: Cache | None = None, all_depths: bool = False, fresh: bool = False,
         stop_before_head: bool = False, segment_ids: jax.Array | None = None, document_token: int | None = None,
+        tied_head: jax.Array | None = None,
     ) -> tuple[jax.Array, Cache | None]:
         cfg, kernels = self.cfg, self.kernels
         B, T = token_ids_BT.shape
@@ -183,7 +187,7 @@ class Decoder(nn.Module):
             adapters = [MTPAdapter(cfg, kernels, self.deterministic, name=f"mtp_{d}") for d in range(cfg.mtp_depth)]
             return jnp.stack([read(hidden_BTC), *(read(a(hidden_BTC)) for a in adapters)]), None
         if cfg.tie_embeddings:
-            head_VC = token_embedding.embedding
+            head_VC = token_embedding.embedding if tied_head is None else tied_head
             logits = lambda h_BTC: kernels.tied_logits(h_BTC, head_VC, compute_dtype(cfg))
         else:
             logits = UntiedHead(cfg, kernels, name="lm_head")
@@ -261,26 +265,6 @@ class Decoder(nn.Module):
                     new_v.append(layer_kv[1])
             kv = (jnp.stack(new_k), jnp.stack(new_v)) if new_k else None
         return carry, kv
-
-
-def write_tokens(tokens_BS: jax.Array, new_BT: jax.Array, index_B: jax.Array, ring: bool) -> jax.Array:
-    """Each row's T new token IDs written from its index on (model.smear's record of what each
-    cached position holds); in a `ring` of S slots, position p in slot p mod S, the last S of them."""
-    S, T = tokens_BS.shape[1], new_BT.shape[1]
-    if not ring:
-        return jax.vmap(lambda row, new, at: jax.lax.dynamic_update_slice(row, new, (at,)))(
-            tokens_BS, new_BT.astype(tokens_BS.dtype), index_B)
-    slots_BK = ring_positions(index_B, T, S) % S
-    return jax.vmap(lambda row, slots, new: row.at[slots].set(new))(
-        tokens_BS, slots_BK, new_BT[:, T - slots_BK.shape[1]:].astype(tokens_BS.dtype))
-
-
-def previous_tokens(cache: Cache, last_B: jax.Array) -> jax.Array:
-    """[B] the token each row's cache holds at position `last_B` (any token where it is below 0)."""
-    tokens_BS = cache["tokens"]
-    S = tokens_BS.shape[1]
-    slot_B = last_B % S if "slot_positions" in cache else jnp.clip(last_B, 0, S - 1)
-    return jnp.take_along_axis(tokens_BS, slot_B[:, None], axis=1)[:, 0]
 
 
 def document_segments(token_ids_BT: jax.Array, document_token: int) -> jax.Array:
@@ -385,124 +369,10 @@ def _apply(params, cfg, token_ids, *, all_depths, train, rng, kernels, head=True
     return out
 
 
-def init_cache(cfg: ModelConfig, batch_size: int, max_length: int, *, documents: bool = False,
-               ring: bool = False, window_slots: int = 0) -> Cache:
-    """An empty KV cache for `batch_size` sequences of up to `max_length` tokens each; with
-    `documents`, also where each sequence's current document starts (`forward_cached(document_token=...)`).
-
-    `ring` (a model whose every block is windowed, `ring_cache_length`): `max_length` slots that
-    hold each sequence's latest positions, however many came before, so the cache's bytes follow
-    the window and not the text's length; a pass may then bring at most `max_length` new tokens
-    (a prefill into an empty ring any number: the last `max_length` stay).
-
-    `window_slots` (a model with both whole-context and windowed blocks, `layered_cache_slots`):
-    the whole-context blocks hold `max_length` positions, the windowed blocks a ring of
-    `window_slots` each, as `ring` above; a pass then brings at most `window_slots` new tokens."""
-    if batch_size < 1 or max_length < 1:
-        raise UserError(f"cache needs batch_size >= 1 and max_length >= 1, got {batch_size}, {max_length}")
-    if ring and not ring_cache_length(cfg):
-        raise UserError("a ring cache needs every block windowed (model.attention_window > 0, model.window_pattern "
-                        "without L) and positions that go on past the context (RoPE or sinusoidal)")
-    if window_slots and not layered_cache_slots(cfg):
-        raise UserError("init_cache(window_slots=...) needs whole-context and windowed blocks both (model.attention_window "
-                        "> 0, model.window_pattern with L and S)")
-    if cfg.position == "learned" and max_length > cfg.context_length:
-        raise UserError(
-            f"cache max_length {max_length} exceeds context_length {cfg.context_length} "
-            "(learned positions stop there)"
-        )
-    shape = (cfg.n_layers, batch_size, max_length, cfg.kv_heads, cfg.head_size)
-    dtype = compute_dtype(cfg)
-    cache = {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype), "index": jnp.zeros((batch_size,), jnp.int32)}
-    if documents:
-        cache["floor"] = jnp.zeros((batch_size,), jnp.int32)
-    if cfg.smear:  # the token each position holds, for the pass that follows it
-        cache["tokens"] = jnp.zeros((batch_size, max_length), jnp.int32)
-    if ring:
-        cache["slot_positions"] = jnp.full((batch_size, max_length), -1, jnp.int32)
-    if window_slots:
-        n_long = len(block_kinds(cfg)[0])
-        ring_shape = (cfg.n_layers - n_long, batch_size, window_slots, cfg.kv_heads, cfg.head_size)
-        cache.update(k=cache["k"][:n_long], v=cache["v"][:n_long], ring={
-            "k": jnp.zeros(ring_shape, dtype), "v": jnp.zeros(ring_shape, dtype),
-            "slot_positions": jnp.full((batch_size, window_slots), -1, jnp.int32)})
-    return cache
-
-
-def block_kinds(cfg: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
-    """The layer indices of a long-short model's whole-context blocks and of its windowed ones,
-    each kind's cache stack in that order."""
-    windows = window_plan(cfg)
-    return np.flatnonzero(windows == 0), np.flatnonzero(windows > 0)
-
-
-def cache_rows(cfg: ModelConfig) -> np.ndarray:
-    """Per layer of a long-short model: its row in its kind's cache stack (whole-context or windowed)."""
-    rows = np.zeros(cfg.n_layers, np.int32)
-    for kind in block_kinds(cfg):
-        rows[kind] = np.arange(len(kind))
-    return rows
-
-
-def layered_cache_slots(cfg: ModelConfig, draft: int = 0) -> int:
-    """The ring slots of a long-short model's windowed blocks (0 where a model has no such mix, or
-    a window no shorter than its context): the window plus the `draft` positions a speculative
-    block writes and may take back, as `ring_cache_length`."""
-    windows = window_plan(cfg)
-    if not cfg.attention_window or windows.all() or not windows.any() or cfg.attention_window >= cfg.context_length:
-        return 0
-    return cfg.attention_window + draft
-
-
-def layered_from(cache: Cache, cfg: ModelConfig, lengths_B: jax.Array, length: int, slots: int) -> Cache:
-    """A long-short model's cache from a linear one of every layer whose rows hold `lengths_B`
-    positions (a padded prefill's): the whole-context layers' padded to `length` positions, the
-    windowed layers' rings of `slots` (`ring_from`)."""
-    long, windowed = block_kinds(cfg)
-    pad = ((0, 0), (0, 0), (0, length - cache["k"].shape[2]), (0, 0), (0, 0))
-    ring = ring_from({"k": cache["k"][windowed], "v": cache["v"][windowed]}, lengths_B, slots)
-    layered = {**cache, "k": jnp.pad(cache["k"][long], pad), "v": jnp.pad(cache["v"][long], pad), "index": lengths_B,
-               "ring": {"k": ring["k"], "v": ring["v"], "slot_positions": ring["slot_positions"]}}
-    if "tokens" in cache:
-        layered["tokens"] = jnp.pad(cache["tokens"], ((0, 0), (0, length - cache["tokens"].shape[1])))
-    return layered
-
-
-def ring_cache_length(cfg: ModelConfig, draft: int = 0) -> int:
-    """The slots a ring cache needs for `cfg` (0 where it cannot have one): the window, plus the
-    `draft` positions a speculative block writes and may take back, so that a rejected draft
-    never overwrites a key the window still reads."""
-    if cfg.position == "learned" or not (window_plan(cfg) > 0).all():
-        return 0
-    return cfg.attention_window + draft
-
-
-def ring_from(cache: Cache, lengths_B: jax.Array, slots: int) -> Cache:
-    """A ring of `slots` from a linear cache whose rows hold `lengths_B` positions (a padded
-    prefill's): each row's last `slots` positions before its length, the rest marked empty."""
-    j = jnp.arange(slots)
-    held_BR = lengths_B[:, None] - 1 - (lengths_B[:, None] - 1 - j) % slots  # the latest position p < length, p = j mod R
-    source_BR = jnp.clip(held_BR, 0, cache["k"].shape[2] - 1)
-    gather = jax.vmap(lambda buffer_LSKD, at_R: buffer_LSKD[:, at_R], in_axes=(1, 0), out_axes=1)
-    ring = {**cache, "k": gather(cache["k"], source_BR), "v": gather(cache["v"], source_BR), "index": lengths_B,
-            "slot_positions": jnp.where(held_BR >= 0, held_BR, -1).astype(jnp.int32)}
-    if "tokens" in cache:
-        ring["tokens"] = jnp.take_along_axis(cache["tokens"], source_BR, axis=1)
-    return ring
-
-
-def document_floors(token_ids_BT: jax.Array, document_token: int, index_B: jax.Array, floor_B: jax.Array,
-                    ) -> jax.Array:
-    """[B, T]: the cache position where each new token's document starts: its latest end-of-text
-    token at or before it (which opens the document after it), else the cache's `floor`."""
-    at_BT = index_B[:, None] + jnp.arange(token_ids_BT.shape[1])
-    opened_BT = jax.lax.cummax(jnp.where(token_ids_BT == document_token, at_BT, 0), axis=1)
-    return jnp.maximum(floor_B[:, None], opened_BT).astype(jnp.int32)
-
-
 def forward_cached(
     params: Params, cfg: ModelConfig, token_ids: jax.Array, cache: Cache, *, all_depths: bool = False,
     fresh: bool = False, kernels: Kernels = PORTABLE, document_token: int | None = None,
+    tied_head: jax.Array | None = None,
 ) -> tuple[jax.Array, Cache]:
     """Run T new tokens per sequence against the cache (a prefill, or T = 1 for one step).
 
@@ -511,15 +381,17 @@ def forward_cached(
     `init_cache` makes it): the prefill then attends among the new tokens only, as `forward` does.
     `document_token` (a model trained with data.document_mask; the cache made with `documents`):
     that token opens a document, and a token reads only its own document, its position counted
-    from the document's start, as `forward(segment_ids=...)` reads packed rows.
+    from the document's start, as `forward(segment_ids=...)` reads packed rows. `tied_head`: the
+    tied embedding already in the compute dtype, which a decode loop converts once instead of
+    every pass (`generate.decoding_weights`); the lookups still read the params' own table.
     """
     token_ids = check_token_ids(token_ids, cfg.vocab_size)
     B, T = token_ids.shape
-    L, cache_B, S = cache["k"].shape[:3]
+    cache_B, S = cache["k"].shape[1], positions(cache)
     if cache_B != B:
         raise UserError(f"token IDs have batch {B} but the cache was made for batch {cache_B}")
     if "slot_positions" in cache or "ring" in cache:
-        R = cache["ring"]["k"].shape[2] if "ring" in cache else S
+        R = positions(cache["ring"]) if "ring" in cache else S
         if T > R and not fresh:
             raise UserError(f"{T} new tokens do not fit a ring cache of {R} slots: a cached pass brings at most {R}")
     if "slot_positions" not in cache and _is_concrete(cache["index"]):  # a ring never overflows
@@ -531,7 +403,8 @@ def forward_cached(
     if document_token is not None and "floor" not in cache:
         raise UserError("forward_cached(document_token=...) needs a cache made with init_cache(..., documents=True)")
     logits, cache = Decoder(cfg, kernels).apply({"params": params}, token_ids, cache=cache,
-                                                all_depths=all_depths, fresh=fresh, document_token=document_token)
+                                                all_depths=all_depths, fresh=fresh, document_token=document_token,
+                                                tied_head=tied_head)
     return logits, cache
 
 

@@ -15,14 +15,14 @@ Where attention runs (`CausalSelfAttention`, its one door): a pass with no cache
     tpu              jaxgpt/kernels/tpu.py         attention: Pallas splash attention
     (windows)        jaxgpt/kernels/xla.py         with_banded: a block's window picks the banded kernel
 
-Cached passes (prefill into a cache, decoding) read the cache here: `cached_attention`, and
-`layered_attention` for a long-short model's two kinds of cache.
+Cached passes (prefill into a cache, decoding) read the cache through `jaxgpt.model.cache`:
+`cached_attention`, and `layered_attention` for a long-short model's two kinds of cache.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 import chex
 import flax.linen as nn
@@ -30,24 +30,15 @@ import jax
 import jax.numpy as jnp
 
 from jaxgpt.config import ModelConfig
-from jaxgpt.kernels.base import Kernels, in_window
+from jaxgpt.kernels.base import Kernels
 from jaxgpt.kernels.choose import PORTABLE
+from jaxgpt.model.cache import KV, CachePlace, LayerCaches, cached_attention, layered_attention
+from jaxgpt.model.dtypes import activation_dtype
 
 Rope = tuple[jax.Array, jax.Array]  # (cos, sin), each [B, T, D/2] float32
-KV = tuple[jax.Array, jax.Array]  # one layer's cached keys and values, each [B, S, K, D]
 # What model.value_embeds hands one block: every table's lookup of the tokens [N, B, T, K*D],
 # the index of this block's table, and 1.0 where a table feeds the block (0.0 where none does).
 ValueEmbeds = tuple[jax.Array, jax.Array, jax.Array]
-
-
-def compute_dtype(cfg: ModelConfig) -> Any:
-    """The dtype of matmul operands and of the KV cache."""
-    return jnp.bfloat16 if cfg.dtype == "bfloat16" else jnp.float32
-
-
-def activation_dtype(cfg: ModelConfig, kernels: Kernels) -> Any:
-    """The dtype of activations between matmuls: the compute dtype, unless the kernels keep float32."""
-    return jnp.float32 if kernels.float32_activations else compute_dtype(cfg)
 
 
 def dense_init(cfg: ModelConfig, output: bool = False, hidden: bool = False) -> nn.initializers.Initializer:
@@ -259,118 +250,6 @@ def prepare_qk(cfg: ModelConfig, q_BTHD: jax.Array, k_BTKD: jax.Array, rope: Rop
     if cfg.attention_scale or mup != 1.0:
         q_BTHD = q_BTHD * jnp.asarray((cfg.attention_scale * D**0.5 if cfg.attention_scale else 1.0) * mup, q_BTHD.dtype)
     return q_BTHD, k_BTKD
-
-
-class CachePlace(NamedTuple):
-    """Where a cached pass's T new tokens stand: each sequence's next position `index` [B]; when
-    decoding documents, the position each new token's document starts at, `floors` [B, T] (none
-    before it is read); in a ring cache, the position each slot holds, `slot_positions` [B, R]
-    (-1: none yet)."""
-
-    index: jax.Array
-    floors: jax.Array | None = None
-    slot_positions: jax.Array | None = None
-
-
-class LayerCaches(NamedTuple):
-    """A long-short model's caches, each block reading its own kind: the whole-context blocks'
-    linear caches `long` (k, v [n_long, B, S, K, D]), the windowed blocks' rings `ring` (k, v
-    [n_windowed, B, R, K, D], the slots' positions in the `CachePlace`), and `row`, this block's
-    index in its kind's stack (`decoder.init_cache(..., window_slots=R)`)."""
-
-    long: KV
-    ring: KV
-    row: jax.Array | None = None
-
-
-def layered_attention(q_BTHD: jax.Array, caches: LayerCaches, new: KV, place: CachePlace, window: jax.Array) -> jax.Array:
-    """`cached_attention` against this block's own cache: its ring where its `window` (traced, per
-    block) is not 0, else its linear cache."""
-    def row_of(pair: KV) -> KV:
-        return tuple(jax.lax.dynamic_index_in_dim(x, caches.row, keepdims=False) for x in pair)
-
-    return jax.lax.cond(
-        window == 0,
-        lambda: cached_attention(q_BTHD, row_of(caches.long), new, place._replace(slot_positions=None)),
-        lambda: cached_attention(q_BTHD, row_of(caches.ring), new, place, window))
-
-
-def cached_attention(q_BTHD: jax.Array, cache: KV, new: KV, place: CachePlace,
-                     window: jax.Array | None = None) -> jax.Array:
-    """T queries against a sequence's cached positions before `place.index` and the T new keys,
-    causally; with `window` (0: none), only the keys within it of each query; with the place's
-    floors, only the keys of each query's document.
-
-    One softmax over both parts (scores in float32). Cache slots from `index` on hold padding or
-    stale keys and are masked; the new keys need not be written first, so the cache is only read.
-    """
-    B, T, H, D = q_BTHD.shape
-    (k_BSKD, v_BSKD), (k_BTKD, v_BTKD) = cache, new
-    index_B, floors_BT = place.index, place.floors
-    K = k_BTKD.shape[2]
-    q_BTKGD = (q_BTHD * jnp.asarray(D**-0.5, q_BTHD.dtype)).reshape(B, T, K, H // K, D)
-    dtype = q_BTHD.dtype
-    old = jnp.einsum("btkgd,bskd->bkgts", q_BTKGD, k_BSKD.astype(dtype), preferred_element_type=jnp.float32)
-    S = k_BSKD.shape[1]
-    held_BS = place.slot_positions  # the position each slot holds; None: slot s holds position s
-    if held_BS is None:
-        written_BTS = jnp.broadcast_to((jnp.arange(S) < index_B[:, None])[:, None, :], (B, T, S))
-        if window is not None:  # the query at index + t reads cached position s where index + t - s < window
-            written_BTS = written_BTS & jax.vmap(lambda i: in_window(T, window, i, S)[0, 0])(index_B)
-    else:  # a ring: a slot holds a position written before index (a rejected draft's is not), or none
-        written_BTS = ((held_BS >= 0) & (held_BS < index_B[:, None]))[:, None, :]
-        written_BTS = written_BTS & (index_B[:, None, None] + jnp.arange(T)[:, None] - held_BS[:, None, :] < window)
-    if floors_BT is not None:
-        held_BS = jnp.broadcast_to(jnp.arange(S), (B, S)) if held_BS is None else held_BS
-        written_BTS = written_BTS & (held_BS[:, None, :] >= floors_BT[:, :, None])
-    old = jnp.where(written_BTS[:, None, None], old, -jnp.inf)
-    now = jnp.einsum("btkgd,bskd->bkgts", q_BTKGD, k_BTKD, preferred_element_type=jnp.float32)
-    causal_TT = jnp.tril(jnp.ones((T, T), bool))
-    if window is not None:
-        causal_TT = causal_TT & in_window(T, window)[0, 0]
-    if floors_BT is not None:  # the new key at index + u is in the query's document when at or past its floor
-        causal_TT = causal_TT & (index_B[:, None, None] + jnp.arange(T) >= floors_BT[:, :, None])[:, None, None]
-    now = jnp.where(causal_TT, now, -jnp.inf)
-    # The new part always holds the query's own key, so the max is finite and no row is empty.
-    peak = jax.lax.stop_gradient(jnp.maximum(old.max(-1, keepdims=True), now.max(-1, keepdims=True)))
-    p_old, p_now = jnp.exp(old - peak), jnp.exp(now - peak)
-    total = p_old.sum(-1, keepdims=True) + p_now.sum(-1, keepdims=True)
-    out = (jnp.einsum("bkgts,bskd->btkgd", (p_old / total).astype(dtype), v_BSKD.astype(dtype))
-           + jnp.einsum("bkgts,bskd->btkgd", (p_now / total).astype(dtype), v_BTKD))
-    return out.reshape(B, T, H, D)
-
-
-def write_kv(cache: KV, new: KV, index_B: jax.Array) -> KV:
-    """Write each sequence's T new keys and values into every layer's cache at its own index:
-    cache ([L, B, S, K, D], [L, B, S, K, D]), new ([L, B, T, K, D], [L, B, T, K, D])."""
-
-    def write(buffer_LSKD, new_LTKD, start):
-        return jax.lax.dynamic_update_slice(buffer_LSKD, new_LTKD.astype(buffer_LSKD.dtype), (0, start, 0, 0))
-
-    return tuple(jax.vmap(write, in_axes=(1, 1, 0), out_axes=1)(c, n, index_B) for c, n in zip(cache, new))
-
-
-def ring_positions(index_B: jax.Array, T: int, R: int) -> jax.Array:
-    """[B, min(T, R)]: the positions of T new tokens from each row's index that a ring of R slots
-    keeps (the last R), position p in slot p mod R."""
-    kept = min(T, R)
-    return index_B[:, None] + (T - kept) + jnp.arange(kept)
-
-
-def write_ring(cache: KV, new: KV, index_B: jax.Array, slot_positions_BR: jax.Array) -> tuple[KV, jax.Array]:
-    """Write each sequence's T new keys and values into every layer's ring of R slots, position p
-    into slot p mod R (of more than R new ones, the last R), and note the positions the slots now
-    hold: (cache, slot_positions [B, R])."""
-    R, T = slot_positions_BR.shape[1], new[0].shape[2]
-    positions_BK = ring_positions(index_B, T, R)
-    slots_BK, kept = positions_BK % R, positions_BK.shape[1]
-
-    def write(buffer_LRKD, new_LKKD, slots_K):
-        return buffer_LRKD.at[:, slots_K].set(new_LKKD[:, T - kept:].astype(buffer_LRKD.dtype))
-
-    cache = tuple(jax.vmap(write, in_axes=(1, 1, 0), out_axes=1)(c, n, slots_BK) for c, n in zip(cache, new))
-    return cache, jax.vmap(lambda held, slots, positions: held.at[slots].set(positions))(
-        slot_positions_BR, slots_BK, positions_BK)
 
 
 def mixed(kernels: Kernels, cfg: ModelConfig, x_BTC: jax.Array, y_BTC: jax.Array, a: jax.Array, b: jax.Array

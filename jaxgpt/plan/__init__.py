@@ -4,10 +4,11 @@
     targets.py     the TPUs and GPUs users rent, by name
     programs.py    the run's train, eval and sampling programs compiled from shapes
     report.py      the plan's record and the largest batch that fits
+    loop_ops.py    what one iteration of a compiled loop (the decode program's token loop) runs
     compilers.py, worker.py   the compile process that runs a target's compiler
 
-May import the model, the steps, parallel and kernels; nothing but the command line and the
-notebook imports it.
+May import the model, the steps, parallel and kernels; nothing but the command line, the
+notebook and scripts import it.
 """
 
 from jaxgpt.plan.api import largest_fitting_batch, plan, plan_groups, plans

@@ -38,7 +38,7 @@ def plan(cfg: RunConfig, target_name: str | None = None, *, fit: bool | int = Fa
     `fit`: find the largest batch that fits first and plan that one (`largest_batch`, None if
     none does); an integer: the largest up to that many rows. `echo` takes the compile process's progress lines (default: stderr).
     `hlo_dir`: a folder for the optimised HLO text of each program planned (`train.hlo.txt`,
-    `eval.hlo.txt`, `prefill.hlo.txt`, `decode.hlo.txt`). What cannot be planned (a batch the
+    `eval.hlo.txt`, `prefill.hlo.txt`, `decode.hlo.txt`, `slide.hlo.txt`). What cannot be planned (a batch the
     chips cannot split, an unknown target) is a ConfigError."""
     record = plans([cfg], target_name, fit=fit, programs=programs, headroom=headroom, echo=echo,
                    hlo_dirs=None if hlo_dir is None else [hlo_dir])[0]

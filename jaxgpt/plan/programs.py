@@ -158,11 +158,15 @@ def _hlo_file(hlo_dir: Path | None, name: str) -> Path | None:
     return None if hlo_dir is None else Path(hlo_dir) / f"{name}.hlo.txt"
 
 
-def hlo_file_names(programs: Sequence[str]) -> list[str]:
-    """The HLO files a plan of `programs` ("train", "eval", "decode") writes to its `hlo_dir`."""
+def hlo_file_names(programs: Sequence[str], cfg: RunConfig) -> list[str]:
+    """The HLO files a plan of `programs` ("train", "eval", "decode") writes to its `hlo_dir`
+    (a model whose cache is a ring has no slide)."""
+    from jaxgpt.model.cache import ring_cache_length
+
     names: list[str] = []
     for program in programs:
-        names += list(DECODE_FILES.values()) if program == "decode" else [program]
+        sampler = [name for name in DECODE_FILES.values() if name != "slide" or not ring_cache_length(cfg.model)]
+        names += sampler if program == "decode" else [program]
     return [f"{name}.hlo.txt" for name in names]
 
 
@@ -190,14 +194,16 @@ def compile_eval(cfg: RunConfig, mesh: Mesh, hlo_dir: Path | None = None) -> dic
 
 
 # The sampler's programs (`generate.lower_decoding`) by the names their HLO files take.
-DECODE_FILES = {"start": "prefill", "advance": "decode"}
+DECODE_FILES = {"start": "prefill", "advance": "decode", "slide": "slide"}
 
 
 def compile_decode(cfg: RunConfig, mesh: Mesh, hlo_dir: Path | None = None) -> dict[str, Any]:
-    """The sampler's two programs (`generate.lower_decoding`: the prefill and the token loop, with
-    `jaxgpt generate`'s sampling defaults) for one prompt and the samples the training loop draws
+    """The sampler's programs (`generate.lower_decoding`: the prefill, the token loop and a row's
+    slide, with `jaxgpt generate`'s sampling defaults) for one prompt and the samples the training loop draws
     (`train.sample_tokens`), the params in their training shardings: the figures of the one that
-    needs more. `hlo_dir`: where to write their HLO text (`prefill.hlo.txt`, `decode.hlo.txt`)."""
+    needs most, and the custom calls of them all (the prefill's and the slide's attention kernel;
+    the loop reads its cache with XLA's ops). `hlo_dir`: where to write their HLO text
+    (`prefill.hlo.txt`, `decode.hlo.txt`, `slide.hlo.txt`)."""
     from jaxgpt.evaluation.generate import lower_decoding
 
     params = abstract_state(cfg, mesh).params
@@ -206,7 +212,11 @@ def compile_decode(cfg: RunConfig, mesh: Mesh, hlo_dir: Path | None = None) -> d
     records = {name: compile_lowered(program, params, hlo_path=_hlo_file(hlo_dir, DECODE_FILES[name]))
                for name, program in lowered.items()}
     worst = max(records, key=lambda name: records[name]["total_bytes"] or 0)
-    return {"program": worst, **records[worst]}
+    calls = sorted({call for record in records.values() for call in record.get("custom_calls", [])})
+    cudnn = collections.Counter()
+    for record in records.values():
+        cudnn.update(record.get("cudnn_attention", {}))
+    return {"program": worst, **records[worst], "custom_calls": calls, "cudnn_attention": dict(sorted(cudnn.items()))}
 
 
 def compile_group(cfg: RunConfig, n_members: int, devices: Sequence[jax.Device]) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from jaxgpt.data.batches import batch_width, window_length  # noqa: F401  (scrip
 from jaxgpt.kernels.base import Kernels
 from jaxgpt.kernels.choose import choose_kernels
 from jaxgpt.model.decoder import Params, forward, head_inputs, head_weight, init_params
-from jaxgpt.model.layers import compute_dtype
+from jaxgpt.model.dtypes import compute_dtype
 from jaxgpt.train.optim import OptHParams, lr_schedule, make_optimizer
 
 
