@@ -201,16 +201,23 @@ def compile_decode(cfg: RunConfig, mesh: Mesh, hlo_dir: Path | None = None) -> d
     """The sampler's programs (`generate.lower_decoding`: the prefill, the token loop and a row's
     slide, with `jaxgpt generate`'s sampling defaults) for one prompt and the samples the training loop draws
     (`train.sample_tokens`), the params in their training shardings: the figures of the one that
-    needs most, and the custom calls of them all (the prefill's and the slide's attention kernel;
-    the loop reads its cache with XLA's ops). `hlo_dir`: where to write their HLO text
+    needs most (its `total_bytes` with `params_held_bytes`: the params as stored, of the leaves
+    the sampler casts, which stay alive beside the cast copies), and the custom calls of them all
+    (the prefill's and the slide's attention kernel; the loop reads its cache with XLA's ops). `hlo_dir`: where to write their HLO text
     (`prefill.hlo.txt`, `decode.hlo.txt`, `slide.hlo.txt`)."""
-    from jaxgpt.evaluation.generate import lower_decoding
+    from jaxgpt.evaluation.generate import decoding_weights, lower_decoding
 
     params = abstract_state(cfg, mesh).params
     lowered = lower_decoding(params, cfg.model, max_new_tokens=max(cfg.train.sample_tokens, 1),
                              placed=sharding.replicated(mesh))
     records = {name: compile_lowered(program, params, hlo_path=_hlo_file(hlo_dir, DECODE_FILES[name]))
                for name, program in lowered.items()}
+    # The programs take the params as the sampler casts them; the params as stored stay alive beside.
+    cast = jax.tree_util.tree_leaves(decoding_weights(params, cfg.model).params)
+    held = sharding.bytes_per_device([p for p, c in zip(jax.tree_util.tree_leaves(params), cast) if p.dtype != c.dtype])
+    for record in records.values():
+        if record.get("total_bytes") is not None:
+            record.update(params_held_bytes=held, total_bytes=record["total_bytes"] + held)
     worst = max(records, key=lambda name: records[name]["total_bytes"] or 0)
     calls = sorted({call for record in records.values() for call in record.get("custom_calls", [])})
     cudnn = collections.Counter()
