@@ -539,10 +539,10 @@ def _decode_loop(
     started = time.perf_counter()
     state = _start(weights, padded, lengths, np.int32(max_new_tokens), stop, key, size=size, **options)
     emitted, first = 0, None  # first: (seconds to the first chunk, the tokens it held)
-    full = lambda: bool(np.asarray(_full(state, cfg)).any())
+    short = False  # whether the loop stopped before an unfinished row reached its target
     while True:
         target = min(emitted + chunk, max_new_tokens)
-        if full():
+        if short:  # `_advance` stops short only where a row's cache is full
             state = _slide(weights, state, **options)
         state = _advance(weights, state, np.int32(target), stop, key, **options)
         seq, length, end = (np.asarray(state[k]) for k in ("seq", "length", "end"))
@@ -558,6 +558,7 @@ def _decode_loop(
         emitted = ready
         if finished.all() or emitted >= max_new_tokens:
             break
+        short = bool((produced[~finished] < target).any())
     if stats is not None:
         drafted, accepted = int(state["drafted"]), int(state["accepted"])
         decode_s = time.perf_counter() - started - first[0]
