@@ -142,6 +142,16 @@ class ModelConfig:
     # muP's attention scale sqrt(D_base) / D for heads D wide, D_base this (0: D itself, so the
     # scale stays 1 / sqrt(D): widths that grow by heads at a fixed head width, as `coordcheck` grows them).
     mup_base_head_size: int = entry(0, IDENTITY)
+    # The knobs muP tunes at its base width and keeps as the width grows (docs/mup.md, "The
+    # knobs"); at their defaults the model is what it was. The head reads its input times
+    # output_multiplier (beside muP's 1 / m); the first block reads the embedding times
+    # input_multiplier; the hidden matrices start at hidden_init_scale times their spread; an
+    # untied head starts at zero under zero_init_readout, the query projection under zero_init_query.
+    output_multiplier: float = entry(1.0, IDENTITY)
+    input_multiplier: float = entry(1.0, IDENTITY)
+    hidden_init_scale: float = entry(1.0, IDENTITY, INIT_FROM)
+    zero_init_readout: bool = entry(False, IDENTITY, INIT_FROM)
+    zero_init_query: bool = entry(False, IDENTITY, INIT_FROM)
     bias: bool = entry(False, IDENTITY)
     tie_embeddings: bool = entry(True, IDENTITY)
     dropout: float = entry(0.0, IDENTITY, INIT_FROM)
@@ -179,6 +189,7 @@ class ModelConfig:
         _positive(s, self, "vocab_size", "context_length", "d_model", "n_layers", "n_heads", "mup_base_width")
         _positive(s, self, "mup_base_head_size", allow_zero=True)
         _positive(s, self, "kv_heads", "hidden_size", "rope_base", "rope_scale", "norm_eps")
+        _positive(s, self, "output_multiplier", "input_multiplier", "hidden_init_scale")
         _positive(s, self, "mtp_depth", "init_std", "logit_softcap", "value_embeds", "attention_scale",
                   "attention_window", allow_zero=True)
         if not self.window_pattern or set(self.window_pattern) - {"L", "S"}:
@@ -218,6 +229,13 @@ class ModelConfig:
             if getattr(self, switch) and self.d_model < channels:
                 raise ConfigError(f"model.{switch} reads the first {channels} channels: it needs d_model >= "
                                   f"{channels}, got {self.d_model}")
+        if self.zero_init_readout and self.tie_embeddings:
+            raise ConfigError("model.zero_init_readout starts an untied head at zero: with tie_embeddings the "
+                              "head is the token embedding, which the input reads too")
+        if self.init_scheme == "nanochat" and (self.hidden_init_scale != 1 or self.zero_init_readout
+                                               or self.zero_init_query):
+            raise ConfigError("model.init_scheme = 'nanochat' draws its own spreads: it does not take "
+                              "model.hidden_init_scale, zero_init_readout or zero_init_query")
         if self.init_scheme == "nanochat" and self.parametrization == "mup":
             raise ConfigError("model.init_scheme = 'nanochat' draws its own spreads: it does not take "
                               "model.parametrization = 'mup'")
@@ -311,6 +329,13 @@ class TrainConfig:
     beta1: float = entry(0.9, IDENTITY, FORCE, INIT_FROM, SWEEP)
     beta2: float = entry(0.99, IDENTITY, FORCE, INIT_FROM, SWEEP)
     adam_eps: float = entry(1e-8, IDENTITY, FORCE, INIT_FROM)
+    # muP's knobs of the optimiser (docs/mup.md, "The knobs"). hidden_eps_by_width: AdamW's epsilon
+    # for the hidden matrices is adam_eps / m, as their gradients shrink with the width.
+    # decay_independent_of_lr: AdamW's decayed weights shrink by weight_decay times the schedule's
+    # multiplier (1 at the peak) each step, whatever their group's rate or muP's 1 / m, instead of
+    # by the rate times weight_decay.
+    hidden_eps_by_width: bool = entry(False, IDENTITY, FORCE, INIT_FROM)
+    decay_independent_of_lr: bool = entry(False, IDENTITY, FORCE, INIT_FROM)
     clip_norm: float = entry(1.0, IDENTITY, FORCE, INIT_FROM)  # 0 disables clipping
     # The learning rates' shape over the steps: "cosine" (nanoGPT's warm-up then cosine to
     # min_lr) or "warmdown" (nanochat's: warm-up to the peak, flat, then down in a line over the
@@ -403,6 +428,13 @@ class TrainConfig:
             if not 0.0 <= getattr(self, name) <= (1.0 if name != "muon_beta2" else 0.999999):
                 raise ConfigError(f"train.{name} = {getattr(self, name)!r} must be in [0, 1"
                                   f"{']' if name != 'muon_beta2' else ')'}")
+        if self.hidden_eps_by_width and self.optimizer != "adamw":
+            raise ConfigError("train.hidden_eps_by_width sets AdamW's epsilon for the hidden matrices, which "
+                              "train.optimizer = 'muon' updates: it needs train.optimizer = 'adamw'")
+        for name in ("hidden_eps_by_width", "decay_independent_of_lr"):
+            if getattr(self, name) and self.adam_groups == "nanochat":
+                raise ConfigError(f"train.{name} is a rule of jaxgpt's AdamW groups: train.adam_groups = "
+                                  "'nanochat' sets its own epsilon and decay")
         if self.optimizer != "muon" and self.muon_parts():
             raise ConfigError(f"train.{self.muon_parts()[0]} is one of Muon's parts: it needs train.optimizer = 'muon'")
         for name in GROUP_LRS:

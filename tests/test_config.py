@@ -97,10 +97,12 @@ def test_every_key_declares_its_roles_once_and_the_rules_read_them():
         if name in ("kv_heads", "hidden_size", "eval_tasks_every", "ffn_match_params", "eval_tasks", "lr_head",
                     "rope_truncated", "window_warmup_steps", "value_gate"):
             continue  # derived or validated against others: covered by their neighbours
-        if name.startswith("muon_") and name != "muon_lr":  # Muon's parts, which need train.optimizer = "muon"
-            muon = load_config(None, ["train.optimizer=muon"])
-            changed = load_config(None, ["train.optimizer=muon", f"{dotted}={json.dumps(other)}"])
-            assert changed.fingerprint() != muon.fingerprint() and IDENTITY in roles_of(dotted), dotted
+        # Muon's parts need train.optimizer = "muon"; a zero readout, an untied head.
+        needs = ["train.optimizer=muon"] if name.startswith("muon_") and name != "muon_lr" else \
+            ["model.tie_embeddings=false"] if name == "zero_init_readout" else []
+        if needs:
+            changed = load_config(None, [*needs, f"{dotted}={json.dumps(other)}"])
+            assert changed.fingerprint() != load_config(None, needs).fingerprint() and IDENTITY in roles_of(dotted), dotted
             continue
         changed = load_config(None, [f"{dotted}={json.dumps(other)}"])
         assert (changed.fingerprint() != base.fingerprint()) == (IDENTITY in roles_of(dotted)), dotted

@@ -56,6 +56,9 @@ def _check_exportable(cfg: ModelConfig) -> str:
     if cfg.width_multiplier() != 1 and cfg.tie_embeddings:
         refuse("parametrization", f"at d_model {cfg.d_model} with a tied head (muP's output multiplier 1 / "
                f"{cfg.width_multiplier():g} cannot be folded into an embedding that the input reads too)")
+    for multiplier in ("output_multiplier", "input_multiplier"):
+        if getattr(cfg, multiplier) != 1 and cfg.tie_embeddings:
+            refuse(multiplier, "with a tied head (it cannot be folded into an embedding that both ends read)")
     if cfg.position == "learned":
         if cfg.norm != "layernorm":
             refuse("norm", "with learned positions (GPT-2 needs layernorm)")
@@ -71,16 +74,23 @@ def _check_exportable(cfg: ModelConfig) -> str:
 
 def mup_folded(cfg: ModelConfig, params: Params) -> Params:
     """`params` with muP's multipliers folded into the weights they follow, so that the standard
-    parametrisation computes the same function: the output multiplier 1 / m into an untied head's
-    kernel, the attention's sqrt(D_base / D) into the query projection (RoPE is linear, so the
-    factor passes through it). Unchanged under "sp"."""
-    if cfg.parametrization != "mup":
+    parametrisation computes the same function: the output multipliers (muP's 1 / m, then
+    model.output_multiplier) into an untied head's kernel, model.input_multiplier into the
+    embeddings the first block reads (untied: the head does not read them), the attention's
+    sqrt(D_base / D) into the query projection (RoPE is linear, so the factor passes through it).
+    Unchanged under "sp" with the multipliers at 1."""
+    out, into = 1 / cfg.width_multiplier() * cfg.output_multiplier, cfg.input_multiplier
+    if cfg.parametrization != "mup" and out == into == 1:
         return params
     params = dict(params)
-    m = cfg.width_multiplier()
-    if m != 1 and not cfg.tie_embeddings:
-        params["lm_head"] = {"kernel": np.asarray(params["lm_head"]["kernel"], np.float32) / m}
-    if cfg.mup_base_head_size:
+    if out != 1 and not cfg.tie_embeddings:
+        params["lm_head"] = {"kernel": np.asarray(params["lm_head"]["kernel"], np.float32) / cfg.width_multiplier()
+                             * cfg.output_multiplier}
+    if into != 1 and not cfg.tie_embeddings:
+        for table in ("token_embedding", "position_embedding"):
+            if table in params:
+                params[table] = {"embedding": np.asarray(params[table]["embedding"], np.float32) * into}
+    if cfg.parametrization == "mup" and cfg.mup_base_head_size:
         q_width, factor = cfg.n_heads * cfg.head_size, (cfg.mup_base_head_size / cfg.head_size) ** 0.5
         qkv = {name: np.array(value, np.float32) for name, value in params["blocks"]["attention"]["qkv"].items()}
         for value in qkv.values():

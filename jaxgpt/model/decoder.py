@@ -111,7 +111,8 @@ class Embedding:
             x_BTC = x_BTC + self.positions(jnp.minimum(positions_BT, cfg.context_length - 1))
         elif cfg.position == "sinusoidal":
             x_BTC = x_BTC + sinusoidal_positions(positions_BT, cfg.d_model)
-        return rms_normalize(x_BTC) if cfg.embed_norm else x_BTC
+        x_BTC = rms_normalize(x_BTC) if cfg.embed_norm else x_BTC
+        return times(x_BTC, cfg.input_multiplier)
 
 
 class Decoder(nn.Module):
@@ -181,8 +182,8 @@ class Decoder(nn.Module):
             x_BTC = (x_BTC - backout[0] * carry.backout).astype(x_BTC.dtype)
 
         hidden_BTC = make_norm(cfg, kernels, "final_norm")(x_BTC)
-        m = cfg.width_multiplier()  # muP's output multiplier 1 / m, on what the head reads (before any softcap)
-        read = (lambda h_BTC: h_BTC * jnp.asarray(1 / m, h_BTC.dtype)) if m != 1 else (lambda h_BTC: h_BTC)
+        # muP's output multiplier 1 / m, then model.output_multiplier, on what the head reads (before any softcap)
+        read = lambda h_BTC: times(times(h_BTC, 1 / cfg.width_multiplier()), cfg.output_multiplier)  # noqa: E731
         if stop_before_head:  # what the head reads at each depth, for a loss that runs the head itself
             adapters = [MTPAdapter(cfg, kernels, self.deterministic, name=f"mtp_{d}") for d in range(cfg.mtp_depth)]
             return jnp.stack([read(hidden_BTC), *(read(a(hidden_BTC)) for a in adapters)]), None
@@ -302,12 +303,48 @@ def _is_concrete(x: Any) -> bool:
 
 def init_params(cfg: ModelConfig, rng: jax.Array) -> Params:
     """Fresh parameters, a pure function of (cfg, rng): float32, N(0, init_std) weights, zero
-    biases; under model.init_scheme = "nanochat", nanochat's draws (`nanochat_init`)."""
+    biases, then muP's init knobs (`init_knobs`); under model.init_scheme = "nanochat", nanochat's
+    draws (`nanochat_init`)."""
     tokens = jnp.zeros((1, min(cfg.context_length, 8)), jnp.int32)
     params = Decoder(cfg).init({"params": rng}, tokens)["params"]
     if cfg.init_scheme == "nanochat":
         params = nanochat_init(params, cfg, jax.random.fold_in(rng, 1))
-    return params
+    return init_knobs(params, cfg)
+
+
+HIDDEN_MATRICES = ("qkv", "out", "up", "gate", "down")  # the `layers.dense` projections: fan-in grows with d_model
+
+
+def init_knobs(params: Params, cfg: ModelConfig) -> Params:
+    """`params` as drawn, with the hidden matrices' kernels times model.hidden_init_scale, the
+    query projection's columns zero under model.zero_init_query and an untied head zero under
+    model.zero_init_readout. The scale multiplies the draw (not its spread) so that any value of
+    it scales the same numbers; at the defaults, `params` itself."""
+    scale, H_D = cfg.hidden_init_scale, cfg.n_heads * cfg.head_size
+
+    def knob(path: tuple[Any, ...], leaf: jax.Array) -> jax.Array:
+        names = [str(getattr(key, "key", key)) for key in path]
+        if names[-1] != "kernel" or len(names) < 2:
+            return leaf
+        if names[-2] in HIDDEN_MATRICES:
+            leaf = times(leaf, scale)
+            if names[-2] == "qkv" and cfg.zero_init_query:
+                leaf = leaf.at[..., :H_D].set(0.0)
+        elif names[-2] == "lm_head" and cfg.zero_init_readout:
+            leaf = jnp.zeros_like(leaf)
+        return leaf
+
+    if scale == 1 and not cfg.zero_init_query and not cfg.zero_init_readout:
+        return params
+    return jax.tree_util.tree_map_with_path(knob, params)
+
+
+def times(x: jax.Array, factor: Any) -> jax.Array:
+    """x * factor in x's dtype; x itself where the factor is the number 1 (so a default knob
+    leaves a program as it was)."""
+    if isinstance(factor, (int, float)) and factor == 1:
+        return x
+    return x * jnp.asarray(factor, x.dtype)
 
 
 def forward(

@@ -83,7 +83,8 @@ def model_config(gpt_config: Mapping[str, Any], *, scan_layers: bool = True, sho
 
 # What nanochat's GPT computes that a ModelConfig may change: its value, key by key (the shape keys
 # and the windows are nanochat's own: vocab_size ... n_layers, and its rule for the window).
-HOW_IT_RUNS = ("scan_layers", "remat", "kernels", "dtype", "init_scheme", "init_std", "dropout", "zero_init")
+HOW_IT_RUNS = ("scan_layers", "remat", "kernels", "dtype", "init_scheme", "init_std", "dropout", "zero_init",
+               "hidden_init_scale", "zero_init_readout", "zero_init_query")
 
 
 def gpt_config(cfg: ModelConfig) -> dict[str, Any]:

@@ -173,6 +173,36 @@ def _group_scaled(inner: optax.GradientTransformation, hp: OptHParams, width_mul
     return optax.GradientTransformation(inner.init, update)
 
 
+def _hidden_eps_by_width(inner: optax.GradientTransformation, width_multiplier: float) -> optax.GradientTransformation:
+    """`inner` (AdamW) with the hidden matrices' epsilon eps / m: their gradients enter it times m.
+    Adam's step m_t / (sqrt(v_t) + eps) of gradients times m is m_t / (sqrt(v_t) + eps / m) of the
+    gradients themselves; the decay and the rate follow the step as before. No state of its own."""
+
+    def update(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
+        scaled = jax.tree_util.tree_map_with_path(
+            lambda path, g: g * jnp.asarray(width_multiplier, g.dtype) if lr_group(path) == "matrix" else g, updates)
+        return inner.update(scaled, state, params)
+
+    return optax.GradientTransformation(inner.init, update)
+
+
+def _decay_apart(inner: optax.GradientTransformation, hp: OptHParams,
+                 schedule: optax.Schedule) -> optax.GradientTransformation:
+    """`inner` (AdamW without its decay) minus weight_decay * schedule(t) / lr * p for each
+    decayed weight p (`decay_mask`): the decay follows the schedule's shape, not the rate's size,
+    its group's peak or muP's 1 / m. t is the schedule's count before this update, which `inner`
+    keeps; no state of its own."""
+
+    def update(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
+        count = optax.tree_utils.tree_get_all_with_path(state, "count")[0][1]
+        updates, state = inner.update(updates, state, params)
+        shrink = hp.weight_decay * schedule(count) / hp.lr
+        return jax.tree_util.tree_map(lambda u, p, decayed: u - (shrink * p).astype(u.dtype) if decayed else u,
+                                      updates, params, decay_mask(params)), state
+
+    return optax.GradientTransformation(inner.init, update)
+
+
 MUON_MOMENTUM = 0.95  # Muon's own (Nesterov) momentum; beta1 and beta2 are the AdamW part's
 
 
@@ -253,9 +283,13 @@ def make_optimizer(cfg: TrainConfig, hparams: OptHParams | None = None,
             lambda path: nanochat_hyper(path, lr_group(path), hp, width),
             cfg.adam_eps)
     else:
-        update = _group_scaled(optax.adamw(
-            schedule, b1=hp.beta1, b2=hp.beta2, eps=cfg.adam_eps, weight_decay=hp.weight_decay, mask=decay_mask,
-        ), hp, width_multiplier, _width_scale(cfg, model))
+        adamw = optax.adamw(schedule, b1=hp.beta1, b2=hp.beta2, eps=cfg.adam_eps, mask=decay_mask,
+                            weight_decay=0.0 if cfg.decay_independent_of_lr else hp.weight_decay)
+        if cfg.hidden_eps_by_width and width_multiplier != 1:
+            adamw = _hidden_eps_by_width(adamw, width_multiplier)
+        update = _group_scaled(adamw, hp, width_multiplier, _width_scale(cfg, model))
+        if cfg.decay_independent_of_lr:
+            update = _decay_apart(update, hp, schedule)
     if cfg.optimizer == "muon":
         muon_schedule = lambda count: schedule(count) * (hp.muon_lr / hp.lr)  # noqa: E731
         update = optax.partition(
