@@ -147,9 +147,9 @@ class ModelConfig:
     # output_multiplier (beside muP's 1 / m); the first block reads the embedding times
     # input_multiplier; the hidden matrices start at hidden_init_scale times their spread; an
     # untied head starts at zero under zero_init_readout, the query projection under zero_init_query.
-    output_multiplier: float = entry(1.0, IDENTITY)
-    input_multiplier: float = entry(1.0, IDENTITY)
-    hidden_init_scale: float = entry(1.0, IDENTITY, INIT_FROM)
+    output_multiplier: float = entry(1.0, IDENTITY, SWEEP)
+    input_multiplier: float = entry(1.0, IDENTITY, SWEEP)
+    hidden_init_scale: float = entry(1.0, IDENTITY, INIT_FROM, SWEEP)
     zero_init_readout: bool = entry(False, IDENTITY, INIT_FROM)
     zero_init_query: bool = entry(False, IDENTITY, INIT_FROM)
     bias: bool = entry(False, IDENTITY)

@@ -65,6 +65,7 @@ def test_every_key_declares_its_roles_once_and_the_rules_read_them():
 
     from jaxgpt.config import FORCE, IDENTITY, INIT_FROM, RESUME, ROLES, SECTIONS, SWEEP, all_keys, keys_with, roles_of
     from jaxgpt.tools.sweep import VMAPPED_KEYS
+    from jaxgpt.model.knobs import Knobs
     from jaxgpt.train.optim import OptHParams
 
     for section, cls in SECTIONS.items():
@@ -75,8 +76,9 @@ def test_every_key_declares_its_roles_once_and_the_rules_read_them():
     # The model is never --force's; the tokenizer and the optimiser neither.
     assert not [k for k in keys_with(FORCE) if k.startswith("model.")]
     assert "data.tokenizer" not in keys_with(FORCE) and "train.optimizer" not in keys_with(FORCE)
-    # A sweep group varies the seed and exactly the optimiser values its vmapped step takes.
-    assert set(VMAPPED_KEYS) == set(keys_with(SWEEP)) == {"train.seed", *(f"train.{n}" for n in OptHParams._fields)}
+    # A sweep group varies the seed and exactly the optimiser values and muP numbers its vmapped step takes.
+    assert set(VMAPPED_KEYS) == set(keys_with(SWEEP)) == {"train.seed", *(f"train.{n}" for n in OptHParams._fields),
+                                                          *(f"model.{n}" for n in Knobs._fields)}
     assert {"model.kernels", "model.remat"} <= set(keys_with(RESUME)) & set(keys_with(INIT_FROM, None))
     # The fingerprint changes with every IDENTITY key and with no other.
     base = RunConfig()

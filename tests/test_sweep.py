@@ -19,7 +19,8 @@ from jaxgpt.data import prepare_data
 from jaxgpt.errors import UserError
 from jaxgpt.runs.metrics import read_metrics
 from jaxgpt.tools import sweep as sweep_module
-from jaxgpt.tools.sweep import group_members, load_sweep, members, run_sweep, stack_hparams, train_group
+from jaxgpt.tools.sweep import (group_knobs, group_members, load_sweep, members, run_sweep, shared_config,
+                               stack_hparams, train_group)
 from jaxgpt.tools.sweep_report import markdown_table, summarise, verdict
 from jaxgpt.train.checkpoint import load_run
 from jaxgpt.train.loop import train
@@ -50,9 +51,10 @@ sample_tokens = 0
 checkpoint_every = 6
 parallel = "single"
 """
-# Every optimiser value the sweep traces differs from the base config's.
+# Every optimiser value and muP number the sweep traces differs from the base config's.
 LR_VARIANT = ["train.lr=1e-2", "train.min_lr=1e-3", "train.warmup_steps=3", "train.weight_decay=0.05",
-              "train.beta1=0.8", "train.beta2=0.95", "train.lr_embed=2e-2", "train.lr_scalar=5e-3"]
+              "train.beta1=0.8", "train.beta2=0.95", "train.lr_embed=2e-2", "train.lr_scalar=5e-3",
+              "model.output_multiplier=2.0", "model.input_multiplier=0.5", "model.hidden_init_scale=0.5"]
 
 
 @pytest.fixture(scope="module")
@@ -147,6 +149,16 @@ def test_optimiser_variant_vmapped_with_baseline_equals_its_single_run(base_file
     table = (out / "results.md").read_text()
     assert "seed spread (max − min)" in table and "| baseline |" in table and "| rms |" in table
     assert (out / "val_loss.png").stat().st_size > 1000
+
+
+def test_a_group_traces_the_mup_numbers_its_members_differ_in_and_keeps_the_rest_constants(base_file, tmp_path):
+    sweep = load_sweep(write_sweep(tmp_path, sweep_text(
+        base_file, 1, ("a", ["model.hidden_init_scale=0.5"]),
+        ("b", ["model.hidden_init_scale=0.5", "model.output_multiplier=2.0", "train.lr=1e-2"]))))
+    [group] = group_members(members(sweep))
+    cfg, varying = group_knobs(shared_config(group[0].config), [m.config.model for m in group])
+    assert list(varying) == ["output_multiplier"] and varying["output_multiplier"].tolist() == [1.0, 2.0]
+    assert cfg.model.hidden_init_scale == 0.5 and cfg.model.output_multiplier == 1.0  # shared: a constant
 
 
 def test_speedrun_variants_train_apart_from_the_baseline_and_their_group_peaks_vmap(base_file, tmp_path):

@@ -4,6 +4,7 @@
     layers.py     norms, positions (learned, RoPE), attention (grouped KV heads), feed-forward
     cache.py      the KV cache: whole-context, ring and long-short layouts, their writes and reads
     dtypes.py     the compute and activation dtypes
+    knobs.py      muP's knobs: the multipliers and init scales a sweep may trace per member
     read_dtypes.py  params cast once to the dtype the model reads them in (for decode loops)
     token_ids.py  token ids checked against the vocabulary
     flops.py      the FLOPs a token costs, and MFU

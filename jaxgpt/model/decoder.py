@@ -44,6 +44,7 @@ from jaxgpt.model.cache import (
     write_tokens,
 )
 from jaxgpt.model.dtypes import activation_dtype, compute_dtype
+from jaxgpt.model.knobs import Knobs, init_knobs, times
 from jaxgpt.model.layers import (
     FeedForward,
     TransformerBlock,
@@ -94,8 +95,8 @@ class Embedding:
     plus the learned or sinusoidal position's, RMS-normalised under model.embed_norm. Called for
     the new tokens and, under model.smear, for the token a cached pass follows."""
 
-    def __init__(self, cfg: ModelConfig, token_embedding: nn.Embed):
-        self.cfg, self.token_embedding = cfg, token_embedding
+    def __init__(self, cfg: ModelConfig, token_embedding: nn.Embed, input_multiplier: Any = 1.0):
+        self.cfg, self.token_embedding, self.input_multiplier = cfg, token_embedding, input_multiplier
         self.positions = None
         if cfg.position == "learned":
             self.positions = nn.Embed(cfg.context_length, cfg.d_model, embedding_init=dense_init(cfg),
@@ -112,7 +113,7 @@ class Embedding:
         elif cfg.position == "sinusoidal":
             x_BTC = x_BTC + sinusoidal_positions(positions_BT, cfg.d_model)
         x_BTC = rms_normalize(x_BTC) if cfg.embed_norm else x_BTC
-        return times(x_BTC, cfg.input_multiplier)
+        return times(x_BTC, self.input_multiplier)
 
 
 class Decoder(nn.Module):
@@ -125,9 +126,10 @@ class Decoder(nn.Module):
     def __call__(
         self, token_ids_BT: jax.Array, cache: Cache | None = None, all_depths: bool = False, fresh: bool = False,
         stop_before_head: bool = False, segment_ids: jax.Array | None = None, document_token: int | None = None,
-        tied_head: jax.Array | None = None,
+        tied_head: jax.Array | None = None, knobs: Knobs | None = None,
     ) -> tuple[jax.Array, Cache | None]:
         cfg, kernels = self.cfg, self.kernels
+        knobs = Knobs.of(cfg, knobs)  # a sweep member's traced numbers, else the config's
         B, T = token_ids_BT.shape
         C, V = cfg.d_model, cfg.vocab_size
         dtype = activation_dtype(cfg, kernels)
@@ -146,7 +148,7 @@ class Decoder(nn.Module):
                 positions_BT = positions_BT - floors_BT
 
         token_embedding = nn.Embed(V, C, embedding_init=dense_init(cfg), name="token_embedding")
-        embed = Embedding(cfg, token_embedding)
+        embed = Embedding(cfg, token_embedding, knobs.input_multiplier)
         x_BTC = embed(token_ids_BT, positions_BT)
         rope = None
         if cfg.position == "rope":
@@ -183,7 +185,7 @@ class Decoder(nn.Module):
 
         hidden_BTC = make_norm(cfg, kernels, "final_norm")(x_BTC)
         # muP's output multiplier 1 / m, then model.output_multiplier, on what the head reads (before any softcap)
-        read = lambda h_BTC: times(times(h_BTC, 1 / cfg.width_multiplier()), cfg.output_multiplier)  # noqa: E731
+        read = lambda h_BTC: times(times(h_BTC, 1 / cfg.width_multiplier()), knobs.output_multiplier)  # noqa: E731
         if stop_before_head:  # what the head reads at each depth, for a loss that runs the head itself
             adapters = [MTPAdapter(cfg, kernels, self.deterministic, name=f"mtp_{d}") for d in range(cfg.mtp_depth)]
             return jnp.stack([read(hidden_BTC), *(read(a(hidden_BTC)) for a in adapters)]), None
@@ -301,50 +303,15 @@ def _is_concrete(x: Any) -> bool:
     return not isinstance(x, jax.core.Tracer)
 
 
-def init_params(cfg: ModelConfig, rng: jax.Array) -> Params:
+def init_params(cfg: ModelConfig, rng: jax.Array, knobs: Knobs | dict[str, Any] | None = None) -> Params:
     """Fresh parameters, a pure function of (cfg, rng): float32, N(0, init_std) weights, zero
-    biases, then muP's init knobs (`init_knobs`); under model.init_scheme = "nanochat", nanochat's
-    draws (`nanochat_init`)."""
+    biases, then muP's init knobs (`init_knobs`; `knobs`: a sweep member's); under
+    model.init_scheme = "nanochat", nanochat's draws (`nanochat_init`)."""
     tokens = jnp.zeros((1, min(cfg.context_length, 8)), jnp.int32)
     params = Decoder(cfg).init({"params": rng}, tokens)["params"]
     if cfg.init_scheme == "nanochat":
         params = nanochat_init(params, cfg, jax.random.fold_in(rng, 1))
-    return init_knobs(params, cfg)
-
-
-HIDDEN_MATRICES = ("qkv", "out", "up", "gate", "down")  # the `layers.dense` projections: fan-in grows with d_model
-
-
-def init_knobs(params: Params, cfg: ModelConfig) -> Params:
-    """`params` as drawn, with the hidden matrices' kernels times model.hidden_init_scale, the
-    query projection's columns zero under model.zero_init_query and an untied head zero under
-    model.zero_init_readout. The scale multiplies the draw (not its spread) so that any value of
-    it scales the same numbers; at the defaults, `params` itself."""
-    scale, H_D = cfg.hidden_init_scale, cfg.n_heads * cfg.head_size
-
-    def knob(path: tuple[Any, ...], leaf: jax.Array) -> jax.Array:
-        names = [str(getattr(key, "key", key)) for key in path]
-        if names[-1] != "kernel" or len(names) < 2:
-            return leaf
-        if names[-2] in HIDDEN_MATRICES:
-            leaf = times(leaf, scale)
-            if names[-2] == "qkv" and cfg.zero_init_query:
-                leaf = leaf.at[..., :H_D].set(0.0)
-        elif names[-2] == "lm_head" and cfg.zero_init_readout:
-            leaf = jnp.zeros_like(leaf)
-        return leaf
-
-    if scale == 1 and not cfg.zero_init_query and not cfg.zero_init_readout:
-        return params
-    return jax.tree_util.tree_map_with_path(knob, params)
-
-
-def times(x: jax.Array, factor: Any) -> jax.Array:
-    """x * factor in x's dtype; x itself where the factor is the number 1 (so a default knob
-    leaves a program as it was)."""
-    if isinstance(factor, (int, float)) and factor == 1:
-        return x
-    return x * jnp.asarray(factor, x.dtype)
+    return init_knobs(params, cfg, knobs)
 
 
 def forward(
@@ -357,6 +324,7 @@ def forward(
     rng: jax.Array | None = None,
     kernels: Kernels = PORTABLE,
     segment_ids: jax.Array | None = None,
+    knobs: Knobs | None = None,
 ) -> jax.Array:
     """Logits [B, T, V] in float32, or [1 + mtp_depth, B, T, V] with `all_depths`.
 
@@ -367,19 +335,21 @@ def forward(
     `train`: a train step's forward pass. Dropout is active (with `model.dropout` > 0, drawn from
     `rng`), and the kernels may lay the attention out for the backward pass that follows; the
     values do not depend on that layout beyond float rounding.
+
+    `knobs`: muP's numbers as a vmapped sweep member's traced scalars (default: the config's).
     """
     return _apply(params, cfg, token_ids, all_depths=all_depths, train=train, rng=rng, kernels=kernels,
-                  segment_ids=segment_ids)
+                  segment_ids=segment_ids, knobs=knobs)
 
 
 def head_inputs(params: Params, cfg: ModelConfig, token_ids: jax.Array, *, train: bool = False,
                 rng: jax.Array | None = None, kernels: Kernels = PORTABLE,
-                segment_ids: jax.Array | None = None) -> jax.Array:
+                segment_ids: jax.Array | None = None, knobs: Knobs | None = None) -> jax.Array:
     """What the head reads at every depth, [1 + mtp_depth, B, T, C]: `forward(..., all_depths=True)`
     stopped before the head, for a loss that runs the head itself (`Kernels.head_loss`, with
     `head_weight`)."""
     return _apply(params, cfg, token_ids, all_depths=True, train=train, rng=rng, kernels=kernels, head=False,
-                  segment_ids=segment_ids)
+                  segment_ids=segment_ids, knobs=knobs)
 
 
 def head_weight(params: Params, cfg: ModelConfig) -> jax.Array:
@@ -387,7 +357,7 @@ def head_weight(params: Params, cfg: ModelConfig) -> jax.Array:
     return params["token_embedding"]["embedding"] if cfg.tie_embeddings else params["lm_head"]["kernel"]
 
 
-def _apply(params, cfg, token_ids, *, all_depths, train, rng, kernels, head=True, segment_ids=None):
+def _apply(params, cfg, token_ids, *, all_depths, train, rng, kernels, head=True, segment_ids=None, knobs=None):
     token_ids = check_token_ids(token_ids, cfg.vocab_size)
     if segment_ids is not None:
         segment_ids = check_segment_ids(segment_ids, token_ids)
@@ -401,7 +371,7 @@ def _apply(params, cfg, token_ids, *, all_depths, train, rng, kernels, head=True
     rngs = {"dropout": rng} if dropout_active else {}
     out, _ = Decoder(cfg, kernels, deterministic=not dropout_active, train=train).apply(
         {"params": params}, token_ids, all_depths=all_depths, stop_before_head=not head, rngs=rngs,
-        segment_ids=segment_ids,
+        segment_ids=segment_ids, knobs=knobs,
     )
     return out
 

@@ -238,7 +238,7 @@ def compile_group(cfg: RunConfig, n_members: int, devices: Sequence[jax.Device])
     hparams = OptHParams(*(scalar(jnp.int32 if name == "warmup_steps" else jnp.float32)
                            for name in OptHParams._fields))
     start = time.perf_counter()
-    lowered = programs.step.lower(state, batch, hparams, scalar(jnp.int32))
+    lowered = programs.step.lower(state, batch, hparams, scalar(jnp.int32), {})
     return {"mesh": {"members": layout.members, "data": layout.data}, "devices": layout.devices,
             **compile_lowered(lowered, (state, batch)), "lower_s": round(time.perf_counter() - start, 3)}
 

@@ -1,4 +1,4 @@
-"""Sweeps: variants × seeds, vmapped where only seeds or optimiser values differ.
+"""Sweeps: variants × seeds, vmapped where only seeds, optimiser values or muP's numbers differ.
 
     jaxgpt sweep experiments/day2.toml [--seeds N] [--out DIR]
     jaxgpt sweep experiments/day2.toml --set data.source=DIR --variants baseline,swiglu --out DIR2
@@ -21,10 +21,12 @@ Optionally, another codebase's figures for the same grid, reported beside ours
 `reference = { bpb = 2.9339, spread = 0.0434 }` (its mean bits per byte and seed spread).
 
 A member is one (variant, seed) run. Members whose resolved configs differ only in the keys of
-`VMAPPED_KEYS` (the config's SWEEP keys: train.seed and the optimiser values lr, min_lr,
-warmup_steps, weight_decay, beta1, beta2, muon_lr and the group peaks lr_embed, lr_head, lr_scalar) form a group and train together in one compiled program: `jax.vmap` over a leading member
-axis of the train state, the batch, the optimiser hyperparameters (`jaxgpt.train.optim.OptHParams`,
-traced) and the seed. Each member's init key, batches, dropout keys and updates are those
+`VMAPPED_KEYS` (the config's SWEEP keys: train.seed, the optimiser values lr, min_lr,
+warmup_steps, weight_decay, beta1, beta2, muon_lr and the group peaks lr_embed, lr_head,
+lr_scalar, and muP's numbers model.output_multiplier, input_multiplier and hidden_init_scale) form
+a group and train together in one compiled program: `jax.vmap` over a leading member axis of the
+train state, the batch, the optimiser hyperparameters (`jaxgpt.train.optim.OptHParams`, traced),
+the seed and the muP numbers that differ between the members (`jaxgpt.model.knobs.Knobs`). Each member's init key, batches, dropout keys and updates are those
 `jaxgpt.train.loop.train` would use for that member's config, through the same `train_step`, so a
 member equals its single run to float rounding. A group's members are spread over every device
 of the job (`jaxgpt.train.sweep_mesh`: the member axis over a "members" mesh axis, each member's batch
@@ -58,11 +60,12 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from jaxgpt.config import SWEEP, ConfigError, RunConfig, TrainConfig, keys_with, load_config, read_toml
+from jaxgpt.config import SWEEP, ConfigError, ModelConfig, RunConfig, TrainConfig, keys_with, load_config, read_toml
 from jaxgpt.data.batches import RunData, eval_summary, train_batch, val_batch
 from jaxgpt.data.from_config import prepare_data
 from jaxgpt.errors import UserError, did_you_mean
 from jaxgpt.model.decoder import count_params
+from jaxgpt.model.knobs import Knobs
 from jaxgpt.process import distributed
 from jaxgpt.process.dispatch import InFlight
 from jaxgpt.runs.metrics import MetricsWriter, read_jsonl
@@ -228,9 +231,20 @@ def members(sweep: Sweep) -> list[Member]:
 
 def shared_config(cfg: RunConfig) -> RunConfig:
     """`cfg` with the vmapped keys at their defaults: equal for the members of one group."""
-    defaults = TrainConfig()
-    reset = {key.split(".", 1)[1]: getattr(defaults, key.split(".", 1)[1]) for key in VMAPPED_KEYS}
-    return cfg.replace("train", **reset)
+    for section, defaults in (("train", TrainConfig()), ("model", ModelConfig())):
+        names = [key.split(".", 1)[1] for key in VMAPPED_KEYS if key.startswith(section + ".")]
+        cfg = cfg.replace(section, **{name: getattr(defaults, name) for name in names})
+    return cfg
+
+
+def group_knobs(cfg: RunConfig, models: list[ModelConfig]) -> tuple[RunConfig, dict[str, np.ndarray]]:
+    """The group's config with the muP numbers (`Knobs`) its members share as constants, and
+    those that differ between them, one float32 entry a member: the step traces only those."""
+    shared = {name: getattr(models[0], name) for name in Knobs._fields
+              if all(getattr(m, name) == getattr(models[0], name) for m in models)}
+    varying = {name: np.array([getattr(m, name) for m in models], np.float32)
+               for name in Knobs._fields if name not in shared}
+    return cfg.replace("model", **shared), varying
 
 
 def group_members(runs: list[Member]) -> list[list[Member]]:
@@ -272,12 +286,15 @@ def train_group(runs: list[Member], data: RunData, *, progress: bool = True, des
         raise UserError("members of a group may differ only in " + ", ".join(VMAPPED_KEYS))
     started = time.perf_counter()
     seeds = [m.seed for m in runs]
+    cfg, knobs = group_knobs(cfg, [m.config.model for m in runs])
     layout = layout_for(cfg, len(runs), devices)
-    programs = GroupPrograms(cfg, group_mesh(layout, devices), len(runs), on_trace=lambda kind: traces.update([kind]))
+    programs = GroupPrograms(cfg, group_mesh(layout, devices), len(runs), on_trace=lambda kind: traces.update([kind]),
+                             knob_names=tuple(knobs))
     hparams = OptHParams(*map(programs.constant, stack_hparams([m.config.train for m in runs])))
     seeds_M = programs.constant(np.array(seeds, np.int32))
+    knobs_M = {name: programs.constant(values) for name, values in knobs.items()}
     # As train() does: the state of a run with train.seed s starts from jax.random.key(s).
-    state = programs.init(seeds_M)
+    state = programs.init(seeds_M, knobs_M)
 
     def stacked(kind: str, index: int) -> jax.Array:
         make = train_batch if kind == "train" else val_batch
@@ -297,7 +314,7 @@ def train_group(runs: list[Member], data: RunData, *, progress: bool = True, des
     window = InFlight()  # each step is a program over every device of the group's mesh
     with tqdm(total=total, desc=desc, unit="step", dynamic_ncols=True, disable=not progress) as bar:
         for step in range(total):
-            state, metrics = programs.steps.at(step)(state, stacked("train", step), hparams, seeds_M)
+            state, metrics = programs.steps.at(step)(state, stacked("train", step), hparams, seeds_M, knobs_M)
             window.add(metrics)  # not the state, whose buffers the next step takes over (donated)
             done = step + 1
             if step == 0:
@@ -308,7 +325,7 @@ def train_group(runs: list[Member], data: RunData, *, progress: bool = True, des
                 shown["loss"] = f"{np.nanmean(jax.device_get(metrics['loss'])):.4f}"
                 bar.set_postfix(shown, refresh=False)
             if now.eval:
-                losses_IM = np.asarray(jax.device_get([window.add(programs.evaluate(state.params, b))
+                losses_IM = np.asarray(jax.device_get([window.add(programs.evaluate(state.params, b, knobs_M))
                                                        for b in val_batches]))
                 for m in range(len(runs)):
                     evals[m].append({"step": done, **eval_summary(losses_IM[:, m], data)})

@@ -21,6 +21,7 @@ from jaxgpt.kernels.base import Kernels
 from jaxgpt.kernels.choose import choose_kernels
 from jaxgpt.model.decoder import Params, forward, head_inputs, head_weight, init_params
 from jaxgpt.model.dtypes import compute_dtype
+from jaxgpt.model.knobs import Knobs
 from jaxgpt.train.optim import OptHParams, lr_schedule, make_optimizer
 
 
@@ -32,8 +33,9 @@ class TrainState:
 
 
 @functools.partial(jax.jit, static_argnums=0)  # one compile instead of one per eager op
-def init_state(cfg: RunConfig, rng: jax.Array) -> TrainState:
-    return state_from_params(cfg, init_params(cfg.model, rng))
+def init_state(cfg: RunConfig, rng: jax.Array, knobs: dict[str, jax.Array] | None = None) -> TrainState:
+    """`knobs`: a vmapped sweep member's traced muP numbers by `Knobs` field (default: the config's)."""
+    return state_from_params(cfg, init_params(cfg.model, rng, knobs))
 
 
 def state_from_params(cfg: RunConfig, params: Params) -> TrainState:
@@ -43,13 +45,14 @@ def state_from_params(cfg: RunConfig, params: Params) -> TrainState:
 
 
 def depth_losses(params: Params, model: ModelConfig, window_BW: jax.Array, *, train: bool = False,
-                 rng: jax.Array | None = None, kernels: Kernels | None = None, segmented: bool = False) -> jax.Array:
+                 rng: jax.Array | None = None, kernels: Kernels | None = None, segmented: bool = False,
+                 knobs: Knobs | None = None) -> jax.Array:
     """Mean cross-entropy (float32) of each prediction depth: [1 + mtp_depth].
 
     `kernels`: by default the ones `jaxgpt.kernels` chooses for the model on this backend. Kernels
     with a fused head and loss (`Kernels.head_loss`) take the hidden states instead of the logits,
     so the [B, T, V] logits are never all in memory. `segmented`: the rows end with their inputs'
-    segment ids (data.document_mask).
+    segment ids (data.document_mask). `knobs`: a vmapped sweep member's (default: the config's).
     """
     T, W = model.context_length, window_length(model)
     kernels = kernels or choose_kernels(model)
@@ -58,13 +61,13 @@ def depth_losses(params: Params, model: ModelConfig, window_BW: jax.Array, *, tr
     targets_DBT = jnp.stack([window_BW[:, 1 + d: 1 + d + T] for d in range(1 + model.mtp_depth)])
     if kernels.head_loss is not None:
         hidden_DBTC = head_inputs(params, model, inputs_BT, train=train, rng=rng, kernels=kernels,
-                                  segment_ids=segment_ids)
+                                  segment_ids=segment_ids, knobs=knobs)
         weight = head_weight(params, model)
         return jnp.stack([kernels.head_loss(h_BTC, weight, t_BT, tied=model.tie_embeddings, dtype=compute_dtype(model),
                                             softcap=model.logit_softcap)
                           for h_BTC, t_BT in zip(hidden_DBTC, targets_DBT)])
     logits_DBTV = forward(params, model, inputs_BT, all_depths=True, train=train, rng=rng, kernels=kernels,
-                          segment_ids=segment_ids)
+                          segment_ids=segment_ids, knobs=knobs)
     losses = optax.softmax_cross_entropy_with_integer_labels(logits_DBTV.astype(jnp.float32), targets_DBT)
     return losses.mean(axis=(1, 2))
 
@@ -79,7 +82,8 @@ def training_loss(depths: jax.Array, mtp_weight: float) -> jax.Array:
 def train_step(cfg: RunConfig, state: TrainState, batch_BW: jax.Array, axis_name: str | None = None, *,
                hparams: OptHParams | None = None,
                seed: int | jax.Array | None = None,
-               kernels: Kernels | None = None) -> tuple[TrainState, dict[str, jax.Array]]:
+               kernels: Kernels | None = None,
+               knobs: Knobs | None = None) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimiser update from `grad_accum` equal micro-batches of the global batch.
 
     The micro-batch gradients are averaged, so the update equals one on the whole batch. Under
@@ -87,8 +91,8 @@ def train_step(cfg: RunConfig, state: TrainState, batch_BW: jax.Array, axis_name
     its gradients are averaged over the devices before the update, and its dropout masks get a
     key of their own (so only with dropout 0 do the numbers equal one device's).
 
-    `hparams` and `seed` default to the config's; a vmapped sweep passes each member's as traced
-    values (`jaxgpt.tools.sweep`), through this same code.
+    `hparams`, `seed` and `knobs` (muP's numbers) default to the config's; a vmapped sweep passes
+    each member's as traced values (`jaxgpt.tools.sweep`), through this same code.
     """
     model, train = cfg.model, cfg.train
     hparams = OptHParams.from_config(train) if hparams is None else hparams
@@ -104,7 +108,7 @@ def train_step(cfg: RunConfig, state: TrainState, batch_BW: jax.Array, axis_name
 
         def objective(params):
             depths = depth_losses(params, model, window_BW, train=True, rng=jax.random.fold_in(dropout_key, index),
-                                  kernels=kernels, segmented=cfg.data.document_mask)
+                                  kernels=kernels, segmented=cfg.data.document_mask, knobs=knobs)
             return training_loss(depths, train.mtp_weight), depths
 
         (_, depths), grads = jax.value_and_grad(objective, has_aux=True)(state.params)
@@ -127,9 +131,11 @@ def train_step(cfg: RunConfig, state: TrainState, batch_BW: jax.Array, axis_name
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
 
-def eval_step(cfg: RunConfig, params: Params, batch_BW: jax.Array, kernels: Kernels | None = None) -> jax.Array:
+def eval_step(cfg: RunConfig, params: Params, batch_BW: jax.Array, kernels: Kernels | None = None,
+              knobs: Knobs | None = None) -> jax.Array:
     """Mean next-token loss (float32) of one batch, without dropout."""
-    return depth_losses(params, cfg.model, batch_BW, kernels=kernels, segmented=cfg.data.document_mask)[0]
+    return depth_losses(params, cfg.model, batch_BW, kernels=kernels, segmented=cfg.data.document_mask,
+                        knobs=knobs)[0]
 
 
 def compile_steps(cfg: RunConfig, kernels: Kernels | None = None):

@@ -1,14 +1,14 @@
 """A sweep group on many devices: its members spread over a ("members", "data") mesh.
 
-A group (members that differ only in seed or optimiser values, `jaxgpt.tools.sweep`) trains as one
+A group (members that differ only in seed, optimiser values or muP's numbers, `jaxgpt.tools.sweep`) trains as one
 program, `jax.vmap` of the train step over a leading member axis. Here that axis is split over
 the mesh's "members" axis, and each member's batch rows over its "data" axis:
 
     layout = group_layout(n_members=8, n_devices=8, micro_batch=32)   # Layout(members=8, data=1)
     mesh = group_mesh(layout)                                           # jax.devices(), row-major
     programs = GroupPrograms(cfg, mesh, n_members)
-    state = programs.init(seeds_M)                                      # each member's init, placed
-    state, metrics = programs.step(state, programs.batch(rows), hparams, seeds)
+    state = programs.init(seeds_M, knobs_M)                             # each member's init, placed
+    state, metrics = programs.step(state, programs.batch(rows), hparams, seeds, knobs_M)
 
 `group_layout` spreads the members as far as they divide over the devices and gives each member
 the devices left over for its batch (3 seeds on 8 devices: 1 × 8, each member's batch over all 8;
@@ -37,6 +37,7 @@ from jax.sharding import PartitionSpec as P
 from jaxgpt.config import RunConfig
 from jaxgpt.errors import UserError
 from jaxgpt.kernels.choose import choose_kernels
+from jaxgpt.model.knobs import Knobs
 from jaxgpt.train.optim import OptHParams
 from jaxgpt.train.step import TrainState, batch_width, eval_step, init_state, train_step
 from jaxgpt.train.window_warmup import StagedSteps
@@ -96,25 +97,28 @@ class GroupPrograms:
     its "members" devices, each batch over ("members", "data"), metrics and losses replicated.
 
     Each member runs the plain train and eval steps with the kernels chosen for the model, laid
-    out for the mesh. `on_trace("train" | "eval")`, if given, is called each time a step is traced
-    (the sweep's tests count them)."""
+    out for the mesh. Init, step and eval take the members' muP numbers that differ (`knobs`: a
+    dict of [M] arrays, by `Knobs` field; empty where none do: those stay the config's
+    constants). `on_trace("train" | "eval")`, if given, is called each time a step is traced (the
+    sweep's tests count them)."""
 
     def __init__(self, cfg: RunConfig, mesh: Mesh, n_members: int,
-                 on_trace: Callable[[str], None] | None = None) -> None:
+                 on_trace: Callable[[str], None] | None = None, knob_names: Sequence[str] = ()) -> None:
         if n_members % mesh.shape["members"]:
             raise UserError(f"{n_members} members do not split over {mesh.shape['members']} devices")
         self.cfg, self.mesh, self.n_members = cfg, mesh, n_members
         kernels = choose_kernels(cfg.model).on_mesh(mesh, batch_axes=("data",))
         on_trace = on_trace or (lambda kind: None)
 
-        def member_eval(params: Any, batch_BW: jax.Array) -> jax.Array:
+        def member_eval(params: Any, batch_BW: jax.Array, knobs: dict[str, jax.Array]) -> jax.Array:
             on_trace("eval")
-            return eval_step(cfg, params, batch_BW, kernels)
+            return eval_step(cfg, params, batch_BW, kernels, knobs=Knobs.of(cfg.model, knobs))
 
         spread, self.rows, self.replicated = (NamedSharding(mesh, P("members")), NamedSharding(mesh, P(*AXES)),
                                               NamedSharding(mesh, P()))
+        self.knob_shapes = {name: jax.ShapeDtypeStruct((n_members,), jnp.float32) for name in knob_names}
         self.state_shapes = jax.eval_shape(jax.vmap(functools.partial(_init, cfg)),
-                                           jax.ShapeDtypeStruct((n_members,), jnp.int32))
+                                           jax.ShapeDtypeStruct((n_members,), jnp.int32), self.knob_shapes)
         self.state_shardings = jax.tree_util.tree_map(lambda _: spread, self.state_shapes)
         options = kernels.jit_options()
         vmapped = functools.partial(jax.vmap, spmd_axis_name="members")
@@ -122,18 +126,22 @@ class GroupPrograms:
                             in_shardings=self.replicated, out_shardings=self.state_shardings)
 
         def compile_step(staged: RunConfig) -> Callable:
-            def member_step(state: TrainState, batch_BW: jax.Array, hparams: OptHParams, seed: jax.Array) -> Any:
+            def member_step(state: TrainState, batch_BW: jax.Array, hparams: OptHParams, seed: jax.Array,
+                            knobs: dict[str, jax.Array]) -> Any:
                 on_trace("train")
-                return train_step(staged, state, batch_BW, hparams=hparams, seed=seed, kernels=kernels)
+                return train_step(staged, state, batch_BW, hparams=hparams, seed=seed, kernels=kernels,
+                                  knobs=Knobs.of(staged.model, knobs))
 
             return jax.jit(vmapped(member_step), donate_argnums=0, compiler_options=options,
-                           in_shardings=(self.state_shardings, self.rows, self.replicated, self.replicated),
+                           in_shardings=(self.state_shardings, self.rows, self.replicated, self.replicated,
+                                         self.replicated),
                            out_shardings=(self.state_shardings, self.replicated))
 
         self.step = compile_step(cfg)
         self.steps = StagedSteps(cfg, self.step, compile_step)  # `steps.at(step)`: a window warm-up's stage
         self.evaluate = jax.jit(vmapped(member_eval), compiler_options=options,
-                                in_shardings=(self.state_shardings.params, self.rows), out_shardings=self.replicated)
+                                in_shardings=(self.state_shardings.params, self.rows, self.replicated),
+                                out_shardings=self.replicated)
 
     def constant(self, value: np.ndarray) -> jax.Array:
         """A small array every process holds whole (seeds, hyperparameters), as a global array."""
@@ -157,6 +165,7 @@ class GroupPrograms:
         return jax.make_array_from_callback(shape, self.rows, block)
 
 
-def _init(cfg: RunConfig, seed: jax.Array) -> TrainState:
-    """The state `jaxgpt.train.loop.train` starts a run with train.seed = `seed` from."""
-    return init_state(cfg, jax.random.key(seed))
+def _init(cfg: RunConfig, seed: jax.Array, knobs: dict[str, jax.Array]) -> TrainState:
+    """The state `jaxgpt.train.loop.train` starts a run with train.seed = `seed` (and muP's numbers
+    `knobs`) from."""
+    return init_state(cfg, jax.random.key(seed), knobs)
