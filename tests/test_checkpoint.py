@@ -577,3 +577,27 @@ def test_a_save_that_waits_for_the_previous_one_is_one_note_not_orbaxs_warnings(
                                           r"come faster than they are written \(raise train\.checkpoint_every\)", err[0]), err
     assert not [m for m in logged if "Waiting for previous save" in m]
     assert checkpointer.steps() == [1, 2, 3]
+
+
+def test_a_checkpoint_the_trainer_no_longer_keeps_leaves_whole_in_one_rename(corpus, tmp_path):
+    """Deleted file by file, a checkpoint would be half there while a reader reads it; moved out of
+    the listing first, a reader finds it whole or gone. The moved one is deleted before the next
+    save is written, and at close."""
+    from jaxgpt.train.checkpoint import REMOVED
+    from jaxgpt.train.checkpoint_files import verify
+
+    state = init_state(config(corpus), jax.random.key(0))
+    checkpointer = Checkpointer(tmp_path / "run", keep=1)
+    removed = checkpointer.directory / REMOVED
+    try:
+        for step in (1, 2):
+            checkpointer.save(state.replace(step=state.step + step), {})
+        checkpointer.wait()
+        assert checkpointer.steps() == [2] and sorted(p.name for p in removed.iterdir()) == ["1"]
+        assert verify(removed / "1")  # every file as it was written
+        checkpointer.save(state.replace(step=state.step + 3), {})
+        checkpointer.wait()
+        assert sorted(p.name for p in removed.iterdir()) == ["2"]
+    finally:
+        checkpointer.close()
+    assert sorted(p.name for p in checkpointer.directory.iterdir()) == ["3"]

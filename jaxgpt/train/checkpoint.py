@@ -14,7 +14,9 @@ or `damaged-<step>-<n>` when that name is taken) and uses the previous one. Read
 generate, eval, export-hf, bench) open the run read-only: they skip a damaged checkpoint with a
 warning and never delete, rename or create anything, so a run being trained is safe to read.
 They read the params alone, never the optimiser's state: the manifest holds the params' own
-checksum beside the state's (a checkpoint written before it is read whole).
+checksum beside the state's (a checkpoint written before it is read whole). A trainer removes a
+checkpoint it no longer keeps by moving it out of the listing in one rename before deleting it,
+so a reader finds each checkpoint whole or gone.
 A checkpoint whose files all match their record is not damaged: if the storage layer still fails
 to read it, that is one line naming the file (`Unreadable`), and nothing is moved.
 
@@ -27,6 +29,7 @@ from __future__ import annotations
 import functools
 import logging
 import re
+import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -175,6 +178,10 @@ SLOW_SAVE_S = 1.0
 # A reader lists the checkpoints while a trainer may remove old ones (keep_checkpoints).
 READER_OPEN_ATTEMPTS = 5
 
+# Where a trainer moves a checkpoint it no longer keeps, whole, in one rename, before deleting it:
+# a reader sees a checkpoint entire or not at all, never one losing its files while it reads.
+REMOVED = ".removed"
+
 
 class Checkpointer:
     """The checkpoints of one run. `read_only` opens them as a reader: no save, no cleanup of the
@@ -195,7 +202,7 @@ class Checkpointer:
         if not self.read_only:
             options = ocp.CheckpointManagerOptions(
                 max_to_keep=self.keep, create=True, cleanup_tmp_directories=True, enable_async_checkpointing=True,
-                async_options=ocp.AsyncOptions(post_finalization_callback=self._record_files))
+                todelete_subdir=REMOVED, async_options=ocp.AsyncOptions(post_finalization_callback=self._record_files))
             return ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers())
         options = ocp.CheckpointManagerOptions(read_only=True, create=False, cleanup_tmp_directories=False,
                                                enable_async_checkpointing=False, save_root_metadata=False,
@@ -219,6 +226,7 @@ class Checkpointer:
         started = time.perf_counter()
         self.manager.wait_until_finished()  # one save in flight: `_record_files` knows its step
         waited = time.perf_counter() - started
+        self._delete_removed()  # before the next is written: the disk holds keep + 1 at most
         if waited > SLOW_SAVE_S and not self._noted_slow and jax.process_index() == 0:
             self._noted_slow = True
             print(f"note: checkpoint {step} waited {waited:.1f} s for checkpoint {self._saving} to be written: "
@@ -234,6 +242,13 @@ class Checkpointer:
         step = self._saving
         pending = self.directory / f"{step}{ocp.path.atomicity_types.TMP_DIR_SUFFIX}"
         write_record(pending if pending.is_dir() else self.directory / str(step))  # else: committed by a file
+
+    def _delete_removed(self) -> None:
+        """Delete the checkpoints Orbax moved out of the listing (`REMOVED`): the primary process
+        moves them, and none but a trainer's reads that folder."""
+        removed = self.directory / REMOVED
+        if not self.read_only and jax.process_index() == 0 and removed.exists():
+            shutil.rmtree(removed)
 
     def steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
@@ -419,6 +434,7 @@ class Checkpointer:
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
+        self._delete_removed()
         logging.getLogger("absl").removeFilter(self._notices)
 
 
