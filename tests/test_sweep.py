@@ -17,7 +17,7 @@ from jaxgpt.cli.main import main
 from jaxgpt.config import ConfigError, TrainConfig
 from jaxgpt.data import prepare_data
 from jaxgpt.errors import UserError
-from jaxgpt.runs.metrics import read_metrics
+from jaxgpt.runs.metrics import read_jsonl, read_metrics
 from jaxgpt.tools import sweep as sweep_module
 from jaxgpt.tools.sweep import (group_knobs, group_members, load_sweep, members, run_sweep, shared_config,
                                stack_hparams, train_group)
@@ -210,6 +210,10 @@ def test_a_rerun_skips_finished_members_and_more_seeds_run_only_the_new_ones(bas
     assert traces["train"] == 2
     assert [(r["variant"], r["seed"]) for r in more] == [("baseline", 0), ("baseline", 1), ("hot", 0), ("hot", 1)]
     assert more[0] == first[0] and more[1]["group_members"] == 2  # the two new seeds trained together
+    # A partial run into the same folder (a new seed of one variant) keeps the records it leaves out.
+    partial = run_sweep(load_sweep(path, seeds=3, only=("baseline",)), out, progress=False, traces=traces)
+    assert [(r["variant"], r["seed"]) for r in partial] == [("baseline", 0), ("baseline", 1), ("baseline", 2)]
+    assert read_jsonl(out / "results.jsonl") == partial + more[2:]
 
 
 def test_traced_schedule_equals_each_members_schedule():

@@ -329,8 +329,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     if args.target and not args.dry_run:
         raise ConfigError("--target plans a sweep for a chip: add --dry-run")
     if (args.overrides or only) and not args.out and not args.dry_run:
-        # A rerun drops the records of members the sweep no longer has: the file's own grid is kept
-        # out of reach of a changed or partial one.
+        # The report and plot of a changed or partial grid describe that grid alone: the file's own
+        # folder keeps the file's whole grid.
         raise ConfigError("with --set or --variants, name an --out folder (runs/sweep-NAME holds the file's "
                           "whole grid)")
     if not args.dry_run:

@@ -102,6 +102,9 @@ class Sweep:
     baseline: str
     reference: str | None = None  # who ran the grid the variants' reference figures come from
     reference_seeds: int = 0
+    # The file's own variants (without the command line's --set and --variants): records of them,
+    # at any seed, outlive a partial run into their folder.
+    file_variants: tuple[Variant, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -214,19 +217,28 @@ def load_sweep(path: str | Path, seeds: int | None = None, overrides: tuple[str,
             raise ConfigError(f"{path}: the variants chosen must include the baseline {baseline!r} "
                               "(gaps and verdicts are against it)")
         variants = [v for v in variants if v.name in only]
-    return Sweep(path.stem, None if base is None else str(base), common, seeds, tuple(variants), baseline,
-                 reference, reference_seeds)
+    sweep = Sweep(path.stem, None if base is None else str(base), common, seeds, tuple(variants), baseline,
+                  reference, reference_seeds)
+    whole = sweep if only is None and not overrides else load_sweep(path)
+    return dataclasses.replace(sweep, file_variants=whole.variants)
 
 
 def members(sweep: Sweep) -> list[Member]:
     """Every (variant, seed) run: seeds train.seed + 0 .. seeds - 1 of each variant's config."""
-    out = []
-    for variant in sweep.variants:
-        for offset in range(sweep.seeds):
-            cfg = dataclasses.replace(variant.config, train=dataclasses.replace(
-                variant.config.train, seed=variant.config.train.seed + offset))
-            out.append(Member(variant.name, variant.overrides, cfg))
-    return out
+    return [_at_seed(variant, variant.config.train.seed + offset)
+            for variant in sweep.variants for offset in range(sweep.seeds)]
+
+
+def _at_seed(variant: Variant, seed: int) -> Member:
+    return Member(variant.name, variant.overrides, variant.config.replace("train", seed=seed))
+
+
+def of_the_file(sweep: Sweep, record: dict[str, Any]) -> bool:
+    """Whether `record` is a member of the sweep file's own grid, at any seed, as the file sets it."""
+    seed = record.get("seed")
+    return isinstance(seed, int) and any(
+        v.name == record.get("variant") and _key(_at_seed(v, seed))[2] == record.get("config_sha256")
+        for v in sweep.file_variants)
 
 
 def shared_config(cfg: RunConfig) -> RunConfig:
@@ -372,7 +384,8 @@ def run_sweep(sweep: Sweep, out_dir: str | Path, *, progress: bool = True,
     """Train every member not already in out_dir/results.jsonl; write the results; return the records.
 
     A member counts as done when a record with its variant, seed and config sha256 is there;
-    records of runs the sweep no longer has are dropped when the file is rewritten. `traces`: as
+    records of runs the sweep file no longer has are dropped when the file is rewritten, and those
+    of its own grid that this run leaves out (`--variants`, `--seeds`, `--set`) kept. `traces`: as
     in `train_group`, summed over the groups. `devices`: those each group spreads over (default:
     every device of the job). On many processes (`jaxgpt launch -n N -- sweep ...`) every process
     runs this; process 0 alone prepares the data first and writes the results.
@@ -388,6 +401,8 @@ def run_sweep(sweep: Sweep, out_dir: str | Path, *, progress: bool = True,
     previous = {(r.get("variant"), r.get("seed"), r.get("config_sha256")): r for r in (read_jsonl(results) if results.is_file() else [])}
     distributed.barrier("sweep-read-results")  # every process has read the file before it is rewritten
     done: dict[tuple, dict[str, Any]] = {_key(m): previous[_key(m)] for m in runs if _key(m) in previous}
+    running = set(map(_key, runs))
+    kept = [r for key, r in previous.items() if key not in running and of_the_file(sweep, r)]
     groups = group_members([m for m in runs if _key(m) not in done])
     progress = progress and writer
     if done and progress:
@@ -411,7 +426,7 @@ def run_sweep(sweep: Sweep, out_dir: str | Path, *, progress: bool = True,
             for member in group:
                 track_member(member, done[_key(member)], out, sweep.name)
             ordered = [done[_key(m)] for m in runs if _key(m) in done]
-            write_atomic(results, "".join(json.dumps(r) + "\n" for r in ordered))
+            write_atomic(results, "".join(json.dumps(r) + "\n" for r in ordered + kept))
             write_report(sweep, ordered, out)
     records = [done[_key(m)] for m in runs]
     if writer:
