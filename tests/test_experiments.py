@@ -134,3 +134,31 @@ def test_code_prose_corpus_holds_out_only_the_code_files_of_its_source(tmp_path)
         module.write_corpus(code, prose, tmp_path / "mix")
     with pytest.raises(ValueError, match="code-share"):
         module.write_corpus(code, prose, tmp_path / "other", code_share=1.0)
+
+
+def test_mup_tuned_follows_the_base_best_point_and_sets_each_cause_against_it(tmp_path):
+    def record(variant, seed, loss):
+        evals = [{"step": 5, "val_loss": loss + 1.0}, {"step": 10, "val_loss": loss}]
+        return {"variant": variant, "seed": seed, "val_loss": loss, "evals": evals}
+
+    records = [record("mup_w64_lr0.01_out1", 0, 3.5), record("mup_w64_lr0.01_out4", 0, 3.3),
+               record("mup_w64_lr0.02_out4", 0, 3.4), record("mup_w64_lr0.01_out4_in2", 0, float("nan")),
+               *(record("mup_w128_lr0.01_out4", s, 3.10 + 0.01 * s) for s in range(3)),
+               *(record("mup_w256_lr0.01_out4", s, loss) for s, loss in enumerate([3.00, 3.01, 3.05])),
+               record("mup_w256_lr0.01_out4_eps", 1, 2.90), record("mup_w256_lr0.01_out1", 0, 3.2),
+               record("sp_w256_lr0.001", 0, 3.1), *(record("sp_w256_lr0.002", s, 3.005) for s in range(3)),
+               record("sp_w256_lr0.004", 0, 3.2)]
+    results = tmp_path / "results.jsonl"
+    results.write_text("".join(json.dumps(r) + "\n" for r in records))
+    found = _load("mup_tuned").main(["--results", str(results), "--out", str(tmp_path)])
+    assert _written(tmp_path, "mup_tuned") == json.loads(json.dumps(found))
+    assert found["base_width"] == 64 and found["widest"] == 256 and found["best_tag"] == "lr0.01_out4"
+    assert list(found["base_tags"])[-1] == "lr0.01_out4_in2"  # a diverged point ranks last
+    assert {w: v["seeds"] for w, v in found["best_tag_by_width"].items()} == {"64": 1, "128": 3, "256": 3}
+    assert found["best_tag_by_width"]["256"]["mean"] == pytest.approx(3.02)
+    assert found["falls_at_every_width_step"] is True
+    assert found["sp_best"] == "lr0.002" and found["sp_best_bracketed"] is True
+    assert found["causes"] == {"eps": {"val_loss": 2.90, "seeds": 1, "effect_nats": pytest.approx(2.90 - 3.01)}}  # seed 1's
+    assert found["others_at_widest"] == {"lr0.01_out1": pytest.approx(3.2)}
+    assert found["gap_nats"] == pytest.approx(0.015) and found["goal_met"] is True
+    assert "Goal met." in (tmp_path / "mup_tuned.md").read_text()
