@@ -216,11 +216,12 @@ def load_sweep(path: str | Path, seeds: int | None = None, overrides: tuple[str,
         if baseline not in only:
             raise ConfigError(f"{path}: the variants chosen must include the baseline {baseline!r} "
                               "(gaps and verdicts are against it)")
+    # Without --set the variants resolved here are the file's own; with it, the file is read again.
+    file_variants = load_sweep(path).variants if overrides else tuple(variants)
+    if only is not None:
         variants = [v for v in variants if v.name in only]
-    sweep = Sweep(path.stem, None if base is None else str(base), common, seeds, tuple(variants), baseline,
-                  reference, reference_seeds)
-    whole = sweep if only is None and not overrides else load_sweep(path)
-    return dataclasses.replace(sweep, file_variants=whole.variants)
+    return Sweep(path.stem, None if base is None else str(base), common, seeds, tuple(variants), baseline,
+                 reference, reference_seeds, file_variants)
 
 
 def members(sweep: Sweep) -> list[Member]:
@@ -237,7 +238,7 @@ def of_the_file(sweep: Sweep, record: dict[str, Any]) -> bool:
     """Whether `record` is a member of the sweep file's own grid, at any seed, as the file sets it."""
     seed = record.get("seed")
     return isinstance(seed, int) and any(
-        v.name == record.get("variant") and _key(_at_seed(v, seed))[2] == record.get("config_sha256")
+        v.name == record.get("variant") and _at_seed(v, seed).config.fingerprint() == record.get("config_sha256")
         for v in sweep.file_variants)
 
 
