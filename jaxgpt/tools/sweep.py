@@ -46,7 +46,6 @@ figures also go to its config's trackers (`train.trackers`), as a run of its own
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import sys
