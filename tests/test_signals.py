@@ -131,7 +131,10 @@ def test_sigterm_during_training_checkpoints_and_exits_143(tmp_path):
 
 
 def test_handled_records_the_signal_and_check_raises_at_a_safe_point():
+    # What was there before (a background job of a non-interactive shell starts with SIGINT ignored).
+    before = {signum: signal.getsignal(signum) for signum in signals.SIGNALS}
     with signals.handled() as stop:
+        assert all(signal.getsignal(signum) is not before[signum] for signum in signals.SIGNALS)
         signals.check()  # nothing received: a no-op
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(0.01)  # the handler runs between two bytecodes of the main thread
@@ -142,7 +145,7 @@ def test_handled_records_the_signal_and_check_raises_at_a_safe_point():
             signals.check()
         assert stopped.value.exit_code == 143
     assert signals.received() is None
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert {signum: signal.getsignal(signum) for signum in signals.SIGNALS} == before
 
 
 def test_off_the_main_thread_handled_installs_nothing():
