@@ -7,7 +7,9 @@ Reads the sweep's records (default experiments/results/mup_tuned.jsonl). Variant
 `{sp|mup}_w{WIDTH}_{TAG}`. It finds muP's best TAG at its base width (the narrowest muP width),
 follows that TAG through the wider widths, finds SP's best TAG at the widest width (and whether
 its rate grid brackets it), and sets each muP variant at the widest width whose TAG extends the
-base's best (`TAG_cause`) against that point: the effect of one cause. Seed means throughout;
+base's best (`TAG_cause`) against that point: the effect of one cause. A cause SP's best takes too
+(`sp_w{WIDEST}_{SP_TAG}_cause`, a horizon say) is left out of SP's grid and sets muP's cause against
+it: the gap at that cause. Seed means throughout;
 the goal (docs/mup.md): muP's base-best TAG at the widest width within 0.02 nats of SP's best
 there, and muP's loss falling at every width step. Writes mup_tuned.json, mup_tuned.md and
 mup_tuned.png (the base's grid; loss against width; the widest runs' val loss curves) to `--out`.
@@ -66,8 +68,12 @@ def report(table: dict[tuple[str, int, str], list[dict[str, Any]]]) -> dict[str,
     base_tags = {tag: mean(found) for (p, w, tag), found in table.items() if p == "mup" and w == base}
     best_tag = min(base_tags, key=base_tags.get)
     by_width = {w: table[("mup", w, best_tag)] for w in mup_widths if ("mup", w, best_tag) in table}
-    sp = {tag: found for (p, w, tag), found in table.items() if p == "sp" and w == widest}
+    sp_every = {tag: found for (p, w, tag), found in table.items() if p == "sp" and w == widest}
+    # SP's grid: its points, not a point with a cause added (a tag extending another one).
+    sp = {tag: found for tag, found in sp_every.items() if not any(tag.startswith(o + "_") for o in sp_every)}
     sp_best = min(sp, key=lambda tag: mean(sp[tag])) if sp else None
+    sp_causes = {tag[len(sp_best) + 1:]: found for tag, found in sp_every.items()
+                 if sp_best and tag.startswith(sp_best + "_")}
     sp_rates = sorted(peak(tag) for tag in sp)
     falls = [mean(by_width[b]) < mean(by_width[a]) for a, b in zip(sorted(by_width), sorted(by_width)[1:])]
     causes = {tag[len(best_tag) + 1:]: found for (p, w, tag), found in table.items()
@@ -87,13 +93,20 @@ def report(table: dict[tuple[str, int, str], list[dict[str, Any]]]) -> dict[str,
         "sp_best_bracketed": sp_best is not None and sp_rates[0] < peak(sp_best) < sp_rates[-1],
         "causes": {cause: {"val_loss": mean(f), "seeds": len(f),
                            "effect_nats": mean(f) - mean([r for r in point if r["seed"] in {c["seed"] for c in f}])
-                           if point else None} for cause, f in sorted(causes.items())},
+                           if point else None, **_against_sp(f, sp_causes.get(cause))}
+                   for cause, f in sorted(causes.items())},
         "others_at_widest": others,
     }
     if point and sp_best:
         gap = mean(point) - mean(sp[sp_best])
         out.update(gap_nats=gap, goal_met=gap <= GOAL_NATS and bool(out["falls_at_every_width_step"]))
     return out
+
+
+def _against_sp(found: list[dict[str, Any]], sp: list[dict[str, Any]] | None) -> dict[str, float]:
+    """SP's best with the same cause, at the cause's seeds, and muP's gap to it; nothing if SP has none."""
+    same = [r for r in sp or [] if r["seed"] in {c["seed"] for c in found}]
+    return {"sp_val_loss": mean(same), "gap_to_sp_nats": mean(found) - mean(same)} if same else {}
 
 
 def markdown(found: dict[str, Any]) -> str:
@@ -113,8 +126,11 @@ def markdown(found: dict[str, Any]) -> str:
               f"{cell(v['stdev'])} |" for tag, v in found["sp"].items()]
     if found["causes"]:
         lines += ["", f"### One cause at a time at width {found['widest']} (against `{found['best_tag']}` "
-                      "at the same seeds)", "", "| cause | seeds | val loss | effect (nats) |", "|---|---:|---:|---:|"]
-        lines += [f"| {cause} | {v['seeds']} | {v['val_loss']:.4f} | {v['effect_nats']:+.4f} |"
+                      "at the same seeds; SP's best with the same cause where it has one)", "",
+                  "| cause | seeds | val loss | effect (nats) | SP, same cause | gap to SP (nats) |",
+                  "|---|---:|---:|---:|---:|---:|"]
+        lines += [f"| {cause} | {v['seeds']} | {v['val_loss']:.4f} | {v['effect_nats']:+.4f} | "
+                  f"{cell(v.get('sp_val_loss'))} | {'' if 'gap_to_sp_nats' not in v else format(v['gap_to_sp_nats'], '+.4f')} |"
                   for cause, v in found["causes"].items()]
     if found["others_at_widest"]:
         lines += ["", f"Other base points at width {found['widest']}: " + ", ".join(

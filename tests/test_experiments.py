@@ -147,7 +147,9 @@ def test_mup_tuned_follows_the_base_best_point_and_sets_each_cause_against_it(tm
                *(record("mup_w256_lr0.01_out4", s, loss) for s, loss in enumerate([3.00, 3.01, 3.05])),
                record("mup_w256_lr0.01_out4_eps", 1, 2.90), record("mup_w256_lr0.01_out1", 0, 3.2),
                record("sp_w256_lr0.001", 0, 3.1), *(record("sp_w256_lr0.002", s, 3.005) for s in range(3)),
-               record("sp_w256_lr0.004", 0, 3.2)]
+               record("sp_w256_lr0.004", 0, 3.2),
+               # A cause both take (a shorter horizon): SP's with it leaves SP's grid, though it is lower.
+               record("mup_w256_lr0.01_out4_steps3", 0, 2.5), record("sp_w256_lr0.002_steps3", 0, 2.4)]
     results = tmp_path / "results.jsonl"
     results.write_text("".join(json.dumps(r) + "\n" for r in records))
     found = _load("mup_tuned").main(["--results", str(results), "--out", str(tmp_path)])
@@ -158,7 +160,10 @@ def test_mup_tuned_follows_the_base_best_point_and_sets_each_cause_against_it(tm
     assert found["best_tag_by_width"]["256"]["mean"] == pytest.approx(3.02)
     assert found["falls_at_every_width_step"] is True
     assert found["sp_best"] == "lr0.002" and found["sp_best_bracketed"] is True
-    assert found["causes"] == {"eps": {"val_loss": 2.90, "seeds": 1, "effect_nats": pytest.approx(2.90 - 3.01)}}  # seed 1's
+    assert list(found["sp"]) == ["lr0.001", "lr0.002", "lr0.004"]
+    assert found["causes"] == {"eps": {"val_loss": 2.90, "seeds": 1, "effect_nats": pytest.approx(2.90 - 3.01)},  # seed 1's
+                               "steps3": {"val_loss": 2.5, "seeds": 1, "effect_nats": pytest.approx(2.5 - 3.00),
+                                          "sp_val_loss": 2.4, "gap_to_sp_nats": pytest.approx(0.1)}}
     assert found["others_at_widest"] == {"lr0.01_out1": pytest.approx(3.2)}
     assert found["gap_nats"] == pytest.approx(0.015) and found["goal_met"] is True
     assert "Goal met." in (tmp_path / "mup_tuned.md").read_text()
