@@ -61,6 +61,22 @@ def peak(tag: str) -> float:
     return float(PEAK.search(tag).group(1))
 
 
+def extends(tag: str, point: str) -> bool:
+    """Whether `tag` is `point` with a cause added (`point_CAUSE`)."""
+    return tag.startswith(point + "_")
+
+
+def causes_of(found: dict[str, Any], point: str) -> dict[str, Any]:
+    """The entries of `found` whose TAG extends `point`, by their cause."""
+    return {tag[len(point) + 1:]: value for tag, value in found.items() if extends(tag, point)}
+
+
+def at_seeds(found: list[dict[str, Any]], like: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The records of `found` at the seeds that `like` holds."""
+    seeds = {r["seed"] for r in like}
+    return [r for r in found if r["seed"] in seeds]
+
+
 def report(table: dict[tuple[str, int, str], list[dict[str, Any]]]) -> dict[str, Any]:
     """The base's best TAG, its widths, SP's best at the widest width, the causes, the goal."""
     mup_widths = sorted({w for p, w, _ in table if p == "mup"})
@@ -69,17 +85,15 @@ def report(table: dict[tuple[str, int, str], list[dict[str, Any]]]) -> dict[str,
     best_tag = min(base_tags, key=base_tags.get)
     by_width = {w: table[("mup", w, best_tag)] for w in mup_widths if ("mup", w, best_tag) in table}
     sp_every = {tag: found for (p, w, tag), found in table.items() if p == "sp" and w == widest}
-    # SP's grid: its points, not a point with a cause added (a tag extending another one).
-    sp = {tag: found for tag, found in sp_every.items() if not any(tag.startswith(o + "_") for o in sp_every)}
+    # SP's grid: its points, not a point with a cause added.
+    sp = {tag: found for tag, found in sp_every.items() if not any(extends(tag, other) for other in sp_every)}
     sp_best = min(sp, key=lambda tag: mean(sp[tag])) if sp else None
-    sp_causes = {tag[len(sp_best) + 1:]: found for tag, found in sp_every.items()
-                 if sp_best and tag.startswith(sp_best + "_")}
+    sp_causes = causes_of(sp_every, sp_best) if sp_best else {}
     sp_rates = sorted(peak(tag) for tag in sp)
     falls = [mean(by_width[b]) < mean(by_width[a]) for a, b in zip(sorted(by_width), sorted(by_width)[1:])]
-    causes = {tag[len(best_tag) + 1:]: found for (p, w, tag), found in table.items()
-              if p == "mup" and w == widest and tag.startswith(best_tag + "_")}
-    others = {tag: mean(found) for (p, w, tag), found in table.items()
-              if p == "mup" and w == widest and tag != best_tag and not tag.startswith(best_tag + "_")}
+    mup_widest = {tag: found for (p, w, tag), found in table.items() if p == "mup" and w == widest}
+    causes = causes_of(mup_widest, best_tag)
+    others = {tag: mean(found) for tag, found in mup_widest.items() if tag != best_tag and not extends(tag, best_tag)}
     point = by_width.get(widest)
     out: dict[str, Any] = {
         "base_width": base, "widest": widest, "base_tags": dict(sorted(base_tags.items(), key=lambda kv: kv[1])),
@@ -92,8 +106,8 @@ def report(table: dict[tuple[str, int, str], list[dict[str, Any]]]) -> dict[str,
         "sp_best": sp_best,
         "sp_best_bracketed": sp_best is not None and sp_rates[0] < peak(sp_best) < sp_rates[-1],
         "causes": {cause: {"val_loss": mean(f), "seeds": len(f),
-                           "effect_nats": mean(f) - mean([r for r in point if r["seed"] in {c["seed"] for c in f}])
-                           if point else None, **_against_sp(f, sp_causes.get(cause))}
+                           "effect_nats": mean(f) - mean(at_seeds(point, f)) if point else None,
+                           **_against_sp(f, sp_causes.get(cause))}
                    for cause, f in sorted(causes.items())},
         "others_at_widest": others,
     }
@@ -105,7 +119,7 @@ def report(table: dict[tuple[str, int, str], list[dict[str, Any]]]) -> dict[str,
 
 def _against_sp(found: list[dict[str, Any]], sp: list[dict[str, Any]] | None) -> dict[str, float]:
     """SP's best with the same cause, at the cause's seeds, and muP's gap to it; nothing if SP has none."""
-    same = [r for r in sp or [] if r["seed"] in {c["seed"] for c in found}]
+    same = at_seeds(sp or [], found)
     return {"sp_val_loss": mean(same), "gap_to_sp_nats": mean(found) - mean(same)} if same else {}
 
 

@@ -207,6 +207,8 @@ def load_sweep(path: str | Path, seeds: int | None = None, overrides: tuple[str,
         variants.append(Variant(name, own, config, figures))
     names = [v.name for v in variants]
     baseline = BASELINE if BASELINE in names else names[0]
+    # Without --set the variants resolved here are the file's own; with it, the file is read again.
+    file_variants = load_sweep(path).variants if overrides else tuple(variants)
     if only is not None:
         unknown = [name for name in only if name not in names]
         if unknown:
@@ -215,9 +217,6 @@ def load_sweep(path: str | Path, seeds: int | None = None, overrides: tuple[str,
         if baseline not in only:
             raise ConfigError(f"{path}: the variants chosen must include the baseline {baseline!r} "
                               "(gaps and verdicts are against it)")
-    # Without --set the variants resolved here are the file's own; with it, the file is read again.
-    file_variants = load_sweep(path).variants if overrides else tuple(variants)
-    if only is not None:
         variants = [v for v in variants if v.name in only]
     return Sweep(path.stem, None if base is None else str(base), common, seeds, tuple(variants), baseline,
                  reference, reference_seeds, file_variants)
