@@ -7,6 +7,7 @@ filled in) is what runs, what is saved beside a run and what the sha256 fingerpr
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -485,12 +486,16 @@ class RunConfig:
         return dataclasses.replace(self, **{section: dataclasses.replace(getattr(self, section), **values)})
 
     def fingerprint(self, exclude: tuple[str, ...] = ()) -> str:
-        """sha256 of the resolved config's IDENTITY keys; `exclude` drops `section.key` entries
-        (`keys_with(RESUME)`: what a resumed run may change)."""
-        data = self.to_dict()
+        """sha256 of the resolved config's IDENTITY keys that differ from the default config's;
+        `exclude` drops `section.key` entries (`keys_with(RESUME)`: what a resumed run may change).
+        A key added later at a default that keeps what the code did leaves every fingerprint, and
+        so every sweep's records, as they were; two configs still share one only when equal."""
+        data, defaults = self.to_dict(), _default_values()
         for dotted in (*(name for name in all_keys() if IDENTITY not in roles_of(name)), *exclude):
             section, key = dotted.split(".", 1)
             data[section].pop(key, None)
+        data = {section: {key: value for key, value in values.items() if value != defaults[section][key]}
+                for section, values in data.items()}
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
     def to_toml(self) -> str:
@@ -505,6 +510,11 @@ class RunConfig:
 
 
 SECTIONS: dict[str, type] = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig}
+
+
+@functools.cache
+def _default_values() -> dict[str, dict[str, Any]]:
+    return RunConfig().to_dict()
 
 
 def all_keys() -> list[str]:

@@ -110,6 +110,28 @@ def test_every_key_declares_its_roles_once_and_the_rules_read_them():
         assert (changed.fingerprint() != base.fingerprint()) == (IDENTITY in roles_of(dotted)), dotted
 
 
+def test_a_key_added_at_a_default_that_keeps_the_model_leaves_every_fingerprint(monkeypatch):
+    """So sweeps find their records again after the code gains a key: the config as a tree
+    without model.smear had it fingerprints as it does with the key off."""
+    import jaxgpt.config as config
+
+    cfg = load_config(None, ["model.d_model=64", "model.n_heads=2", "train.lr=1e-3"])
+    fingerprints = {cfg.fingerprint()}
+    assert cfg.replace("model", smear=True).fingerprint() not in fingerprints
+    as_dict = RunConfig.to_dict
+
+    def before_the_key(self):
+        data = as_dict(self)
+        data["model"].pop("smear")
+        return data
+
+    monkeypatch.setattr(RunConfig, "to_dict", before_the_key)
+    config._default_values.cache_clear()
+    fingerprints.add(cfg.fingerprint())
+    config._default_values.cache_clear()
+    assert len(fingerprints) == 1
+
+
 def test_ffn_match_params_gives_swiglu_the_gelu_layers_parameters(tmp_path):
     swiglu = load_config(None, ["model.d_model=256", "model.feed_forward=swiglu", "model.ffn_match_params=true"])
     assert swiglu.model.hidden_size == 680  # 2/3 x 1,024 = 682.7, the nearest multiple of 8
