@@ -86,6 +86,32 @@ def single_run(cfg, out: Path) -> tuple[dict, list[dict], dict]:
     return summary, evals, load_run(out)[1]
 
 
+class _Prepared(Exception):
+    pass
+
+
+def test_no_progress_reaches_the_token_stores_bar_in_train_and_sweep(base_file, tmp_path, monkeypatch):
+    """--no-progress (progress=False) silences the store's preparation bar too: each command hands
+    its flag to prepare_data (stopped there, before anything compiles)."""
+    import jaxgpt.train.loop as loop
+
+    asked = []
+
+    def prepare(cfg, run_dir=None, **options):
+        asked.append(options.get("progress", True))
+        raise _Prepared
+
+    monkeypatch.setattr(loop, "prepare_data", prepare)
+    monkeypatch.setattr(sweep_module, "prepare_data", prepare)
+    sweep = load_sweep(write_sweep(tmp_path, sweep_text(base_file, 1, ("baseline", []))))
+    for quiet in (False, True):
+        with pytest.raises(_Prepared):
+            train(sweep.variants[0].config, tmp_path / f"run-{quiet}", progress=not quiet)
+        with pytest.raises(_Prepared):
+            run_sweep(sweep, tmp_path / f"sweep-{quiet}", progress=not quiet)
+    assert asked == [True, True, False, False]
+
+
 def test_three_seeds_compile_once_and_equal_their_single_runs(base_file, tmp_path):
     sweep = load_sweep(write_sweep(tmp_path, sweep_text(base_file, 3, ("baseline", []))))
     runs = members(sweep)

@@ -412,7 +412,8 @@ def run_sweep(sweep: Sweep, out_dir: str | Path, *, progress: bool = True,
         cfg = group[0].config
         data_key = (cfg.data, cfg.model.vocab_size, cfg.model.context_length, cfg.model.mtp_depth)
         if data_key not in data_cache:
-            data_cache[data_key] = distributed.writer_first(lambda: prepare_data(cfg, out), f"sweep-data-{number}")
+            data_cache[data_key] = distributed.writer_first(lambda: prepare_data(cfg, out, progress=progress),
+                                                          f"sweep-data-{number}")
         names = ", ".join(dict.fromkeys(m.variant for m in group))
         desc = f"group {number}/{len(groups)} [{names}] x{len(group)}"
         result = train_group(group, data_cache[data_key], progress=progress, desc=desc, traces=traces,

@@ -154,7 +154,8 @@ def _train(cfg: RunConfig, out_dir: str | Path, *, resume: bool, force: bool, pr
         raise UserError(f"{run_dir} already holds a run; continue it with `jaxgpt train --out {run_dir} --resume` "
                          "(and the same --config/--set/--data), or choose another --out")
     clock.stage("checks")
-    data = distributed.writer_first(lambda: prepare_data(cfg, run_dir), "prepare-data")  # builds caches once
+    data = distributed.writer_first(lambda: prepare_data(cfg, run_dir, progress=progress),  # builds caches once
+                                    "prepare-data")
     clock.stage("data")
     if data.tokenizer.kind == "char" and data.tokenizer.vocab_size < cfg.model.vocab_size:
         print(f"note: the char tokenizer has {data.tokenizer.vocab_size} tokens (the corpus's distinct "
