@@ -128,6 +128,15 @@ class ModelConfig:
     # The residual stream after block n_layers // 2, times a learned lambda (0.2 at init), is
     # subtracted before the final norm.
     backout: bool = entry(False, IDENTITY)
+    # A table of bigram_hash_rows rows [N, d_model], zeros at init, read at a hash of each
+    # position's (previous token, token) pair (modded-nanogpt's, mod N - 1), its last row where a
+    # sequence or a document starts; each block adds it times its own learned lambda (0.1 at
+    # init) after its x0 mix. 0: off.
+    bigram_hash_rows: int = entry(0, IDENTITY)
+    # Exclusive self-attention, learned: each head's output y loses tanh(a) times its component
+    # along the token's own value v, y - tanh(a) <y, v/|v|> v/|v|, one a per block and head (0 at
+    # init: plain attention).
+    exclusive_self_attention: bool = entry(False, IDENTITY)
     # The attention logits' scale; 0: 1 / sqrt(head_size).
     attention_scale: float = entry(0.0, IDENTITY)
     # Sliding-window attention: in the blocks window_pattern marks S, a query at t attends to keys
@@ -192,7 +201,10 @@ class ModelConfig:
         _positive(s, self, "kv_heads", "hidden_size", "rope_base", "rope_scale", "norm_eps")
         _positive(s, self, "output_multiplier", "input_multiplier", "hidden_init_scale")
         _positive(s, self, "mtp_depth", "init_std", "logit_softcap", "value_embeds", "attention_scale",
-                  "attention_window", allow_zero=True)
+                  "attention_window", "bigram_hash_rows", allow_zero=True)
+        if self.bigram_hash_rows == 1:
+            raise ConfigError("model.bigram_hash_rows = 1 leaves no row for the pairs: 0 (off) or at least 2 (the "
+                              "last row is a sequence's first position's)")
         if not self.window_pattern or set(self.window_pattern) - {"L", "S"}:
             raise ConfigError(f"model.window_pattern = {self.window_pattern!r} must be letters L (whole context) "
                               "and S (window), e.g. 'SSSL'")

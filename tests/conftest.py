@@ -21,6 +21,7 @@ SPEEDRUN = ["model.position=rope", "model.norm=rmsnorm", "model.qk_norm=true", "
             "model.feed_forward=relu2", "model.logit_softcap=15.0", "model.zero_init=true", "model.x0_mix=true",
             "model.unet_skips=true", "model.value_embeds=1", "model.tie_embeddings=false", "model.kv_heads=2",
             "model.rope_truncated=true", "model.attention_scale=0.12", "model.n_layers=3", "model.mtp_depth=1",
+            "model.bigram_hash_rows=509", "model.exclusive_self_attention=true",
             "train.optimizer=muon", "train.lr_embed=6e-3", "train.lr_head=2e-3", "train.lr_scalar=4e-3"]
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")

@@ -11,6 +11,17 @@ half first adds the last one popped times its skip weight; value tables 0..N-1 f
 N blocks and again the last N; untied head, logits 15 * tanh(z / 15). Its flex attention's
 document mask: `forward(tokens, eot)` counts end-of-text tokens along each row (the token opens
 the next document) and a query reads only its own document's keys; without `eot`, plain causal.
+With `bigram_rows`, the bigram hash embedding of the record of 2026-01-19
+(records/track_1_short/2026-01-19_BigramHashEmbedding): a zero-initialised table of that many
+rows read at (36313 * token XOR 27191 * previous token) mod (rows - 1), the last row at each
+row's first position, added in every block after the x0 mix times that block's lambda (0.1 at
+init). The record hashes a document's first token with the last of the document before it; the
+rebuild, as jaxgpt, gives it the last row too, so that packed documents stay apart. With `xsa`,
+the learnable exclusive self-attention of the record of 2026-04-29
+(records/track_1_short/2026-04-29_XSAGatedLayers): per block and head a learned alpha (0 at
+init); each head's attention output y becomes y - tanh(alpha) (y . vn) vn, vn the token's own
+value (after the value table's mix) normalised with F.normalize's eps 1e-4, before c_proj; the
+record runs it in six of its eleven blocks, the rebuild in every one.
 Its sliding window is plain causal on inputs shorter than the window, the inputs these tests use;
 block 7's missing attention only exists at 12 layers, deeper than these tests go.
 
@@ -57,11 +68,18 @@ def causal_attention(q, k, v, window: int | None = None, docs: torch.Tensor | No
 
 
 class ModdedGPT(nn.Module):
-    def __init__(self, vocab_size: int, n_layers: int, n_heads: int, dim: int, n_value_tables: int):
+    def __init__(self, vocab_size: int, n_layers: int, n_heads: int, dim: int, n_value_tables: int,
+                 bigram_rows: int = 0, xsa: bool = False):
         super().__init__()
         assert n_layers % 2 == 0 and 2 * n_value_tables <= n_layers
         self.n_heads, self.n_layers, self.n_value_tables = n_heads, n_layers, n_value_tables
         self.embed = nn.Embedding(vocab_size, dim)
+        if bigram_rows:
+            self.bigram_embed = nn.Embedding(bigram_rows, dim)
+            nn.init.zeros_(self.bigram_embed.weight)
+            self.bigram_lambdas = nn.Parameter(0.1 * torch.ones(n_layers))
+        if xsa:
+            self.xsa_alphas = nn.Parameter(torch.zeros(n_layers, n_heads))
         self.value_embeds = nn.ModuleList(nn.Embedding(vocab_size, dim) for _ in range(n_value_tables))
         self.c_q, self.c_k, self.c_v, self.c_proj = (
             nn.ModuleList(nn.Linear(dim, dim, bias=False) for _ in range(n_layers)) for _ in range(4))
@@ -85,10 +103,25 @@ class ModdedGPT(nn.Module):
         v = lambdas[0] * v + lambdas[1] * ve.view_as(v) if ve is not None else lambdas[0] * v
         q, k = rms_norm(q), rms_norm(k)
         q, k = rotate(q, *rotary), rotate(k, *rotary)
-        return self.c_proj[i](causal_attention(q, k, v, docs=docs).reshape(B, T, C))
+        y = causal_attention(q, k, v, docs=docs)
+        if hasattr(self, "xsa_alphas"):
+            vn = F.normalize(v, dim=-1, eps=1e-4)
+            y = y - torch.tanh(self.xsa_alphas[i]).view(1, 1, -1, 1) * (y * vn).sum(-1, keepdim=True) * vn
+        return self.c_proj[i](y.reshape(B, T, C))
 
-    def block(self, i: int, x, ve, x0, rotary, docs=None):
+    def bigram_hash(self, tokens: torch.Tensor, docs: torch.Tensor | None) -> torch.Tensor:
+        mod = self.bigram_embed.num_embeddings - 1
+        x = tokens.to(torch.int32)
+        hashed = torch.full_like(x, mod)
+        hashed[:, 1:] = torch.bitwise_xor(36313 * x[:, 1:], 27191 * x[:, :-1]) % mod
+        if docs is not None:  # a document's first token has none before it
+            hashed[:, 1:] = torch.where(docs[:, 1:] != docs[:, :-1], mod, hashed[:, 1:])
+        return hashed
+
+    def block(self, i: int, x, ve, x0, rotary, docs=None, bigram=None):
         x = self.block_lambdas[i][0] * x + self.block_lambdas[i][1] * x0
+        if bigram is not None:
+            x = x + self.bigram_lambdas[i] * bigram
         x = x + self.attention(i, rms_norm(x), ve, rotary, docs)
         return x + self.mlp_proj[i](F.relu(self.c_fc[i](rms_norm(x))).square())
 
@@ -99,13 +132,14 @@ class ModdedGPT(nn.Module):
         x = x0 = rms_norm(self.embed(tokens))
         tables = [table(tokens) for table in self.value_embeds]
         ve = tables + [None] * (n - 2 * len(tables)) + tables
+        bigram = self.bigram_embed(self.bigram_hash(tokens, docs)) if hasattr(self, "bigram_embed") else None
         skips = []
         for i in range(half):
-            x = self.block(i, x, ve[i], x0, rotary, docs)
+            x = self.block(i, x, ve[i], x0, rotary, docs, bigram)
             skips.append(x)
         for i in range(n - half):
             x = x + self.skip_weights[i] * skips.pop()
-            x = self.block(half + i, x, ve[half + i], x0, rotary, docs)
+            x = self.block(half + i, x, ve[half + i], x0, rotary, docs, bigram)
         logits = self.lm_head(rms_norm(x))
         return 15 * torch.tanh(logits / 15)
 

@@ -96,6 +96,8 @@ def test_every_key_declares_its_roles_once_and_the_rules_read_them():
                                     "muon_decay_schedule": "cosine"}.get(name, "other"))(value)
         if value is None:  # a key that follows another (the group peaks follow train.lr)
             other = 1e-3
+        if name == "bigram_hash_rows":  # one row would hold no pair
+            other = 2
         if name in ("kv_heads", "hidden_size", "eval_tasks_every", "ffn_match_params", "eval_tasks", "lr_head",
                     "rope_truncated", "window_warmup_steps", "value_gate"):
             continue  # derived or validated against others: covered by their neighbours
@@ -177,6 +179,8 @@ def test_ffn_match_params_refuses_another_explicit_hidden_size():
     (["model.value_embeds_layout=every"], "model.value_embeds_layout = 'every' is not one of ends, alternating"),
     (["model.value_gate=true"], "model.value_gate gates the value tables' lookups: it needs model.value_embeds > 0"),
     (["model.smear=true", "model.d_model=16"], "model.smear reads the first 24 channels: it needs d_model >= 24, got 16"),
+    (["model.bigram_hash_rows=1"], "model.bigram_hash_rows = 1 leaves no row for the pairs: 0 (off) or at least 2"),
+    (["model.bigram_hash_rows=-5"], "model.bigram_hash_rows = -5 must be >= 0"),
     (["model.value_gate=true", "model.value_embeds=1", "model.d_model=8"],
      "model.value_gate reads the first 12 channels: it needs d_model >= 12, got 8"),
     (["model.init_scheme=nanochat", "model.parametrization=mup"], "model.init_scheme = 'nanochat' draws its own"),

@@ -180,6 +180,8 @@ def test_unsupported_options_are_named(tmp_path, family, change, option):
     ({"position": "sinusoidal", "norm": "rmsnorm", "feed_forward": "swiglu"}, "position = 'sinusoidal'"),
     ({"smear": True}, "smear = True"),
     ({"backout": True}, "backout = True"),
+    ({"bigram_hash_rows": 64}, "bigram_hash_rows = 64"),
+    ({"exclusive_self_attention": True}, "exclusive_self_attention = True"),
 ])
 def test_unexportable_configs(tmp_path, options, option):
     """What neither GPT-2 nor Llama holds is refused, in one line, before the params are looked at."""

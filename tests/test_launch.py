@@ -34,14 +34,15 @@ TINY = ["model.context_length=16", "model.d_model=32", "model.n_heads=4", "model
         "train.keep_checkpoints=10", "train.sample_tokens=0",
         "train.adam_eps=1e-4"]  # Adam would turn a layout's rounding of sub-eps gradients into 1e-5 steps
 # The fsdp layout trains the speedrun block's switches that add state to lay out (a value table,
-# skip weights, x0 mixes, an untied head, grouped KV heads, an MTP adapter) with Muon and the
-# group learning rates: split or replicated over the processes, saved by both and resumed by
+# skip weights, x0 mixes, a bigram table, an untied head, grouped KV heads, an MTP adapter) with
+# Muon and the group learning rates: split or replicated over the processes, saved by both and resumed by
 # another count, sampled from (its KV cache) and scored. The switches that only change the block's
 # arithmetic (QK-norm, the embedding norm, relu², the softcap, truncated RoPE, the attention
 # scale, zero init) add compile time and nothing to lay out: every other mode tests them
 # (test_parallel, test_checkpoint). The data layout keeps the plain model.
 LAID_OUT = ("model.position", "model.norm", "model.x0_mix", "model.unet_skips", "model.value_embeds",
-            "model.tie_embeddings", "model.kv_heads", "model.n_layers", "model.mtp_depth", "train.")
+            "model.bigram_hash_rows", "model.tie_embeddings", "model.kv_heads", "model.n_layers", "model.mtp_depth",
+            "train.")
 LAYOUTS = {"data": [], "fsdp": ["train.fsdp=8", *(s for s in SPEEDRUN if s.startswith(LAID_OUT))]}
 RUNS = [(layout, n) for layout in LAYOUTS for n in (1, 2)]  # layout, processes (of 8 // n devices)
 # layout, processes before and after: each way across a change of process count (a resume in the

@@ -209,12 +209,13 @@ def test_value_embeddings_feed_the_first_and_last_n_blocks_only():
 def test_the_new_leaves_fall_in_their_learning_rate_groups():
     from jaxgpt.train.optim import lr_group
 
-    cfg = dataclasses.replace(SHORTCUTS, x0_mix=True, unet_skips=True, value_embeds=1, scan_layers=True)
+    cfg = dataclasses.replace(SHORTCUTS, x0_mix=True, unet_skips=True, value_embeds=1, bigram_hash_rows=7,
+                              exclusive_self_attention=True, scan_layers=True)
     groups = {jax.tree_util.keystr(path): lr_group(path)
               for path, _ in jax.tree_util.tree_leaves_with_path(init_params(cfg, jax.random.key(0)))}
-    assert groups["['value_embeds']"] == "embed"
-    assert groups["['skip_weights']"] == groups["['blocks']['x0_mix']"] == "scalar"
-    assert groups["['blocks']['attention']['value_mix']"] == "scalar"
+    assert groups["['value_embeds']"] == groups["['bigram_embed']"] == "embed"  # on AdamW under Muon too
+    assert groups["['skip_weights']"] == groups["['blocks']['x0_mix']"] == groups["['blocks']['bigram_lambda']"] == "scalar"
+    assert groups["['blocks']['attention']['value_mix']"] == groups["['blocks']['attention']['xsa_alpha']"] == "scalar"
 
 
 @pytest.mark.parametrize("overrides,message", [

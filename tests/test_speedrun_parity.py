@@ -18,7 +18,7 @@ vocabulary padded to a multiple of 64.
 
 import dataclasses
 
-import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -27,6 +27,8 @@ from speedrun_references import ModdedGPT, NanochatGPT
 from jaxgpt.config import ModelConfig
 from jaxgpt.errors import UserError
 from jaxgpt.model.decoder import document_segments, forward, stack_blocks
+from jaxgpt.model.layers import without_own_value
+from jaxgpt.model.shortcuts import bigram_rows
 from jaxgpt.nanochat import model_config, params_from_state, state_from_params
 
 EPS = float(torch.finfo(torch.float32).eps)  # F.rms_norm's epsilon when none is given
@@ -78,6 +80,13 @@ def modded_params(ref: ModdedGPT, cfg: ModelConfig) -> dict:
         token_embedding={"embedding": t(ref.embed.weight)}, lm_head={"kernel": t(ref.lm_head.weight).T},
         final_norm={"scale": np.ones(cfg.d_model, np.float32)}, skip_weights=t(ref.skip_weights)[: cfg.n_layers // 2],
         value_embeds=np.stack([t(table.weight) for table in ref.value_embeds]))
+    if cfg.exclusive_self_attention:
+        for i in range(cfg.n_layers):
+            params[f"block_{i}"]["attention"]["xsa_alpha"] = t(ref.xsa_alphas[i])
+    if cfg.bigram_hash_rows:
+        params["bigram_embed"] = t(ref.bigram_embed.weight)
+        for i in range(cfg.n_layers):
+            params[f"block_{i}"]["bigram_lambda"] = t(ref.bigram_lambdas[i:i + 1])
     return params
 
 
@@ -95,6 +104,56 @@ def check_equal(cfg: ModelConfig, params: dict, ref: torch.nn.Module, seed: int)
 def test_equals_modded_nanogpt_of_january_2025():
     ref = randomised(ModdedGPT(V, MODDED.n_layers, HEADS, C, MODDED.value_embeds), seed=0)
     check_equal(MODDED, modded_params(ref, MODDED), ref, seed=1)
+
+
+def test_equals_modded_nanogpt_with_its_bigram_hash_embedding_on_rows_and_packed_documents():
+    cfg = dataclasses.replace(MODDED, bigram_hash_rows=5 * V)
+    ref = randomised(ModdedGPT(V, cfg.n_layers, HEADS, C, cfg.value_embeds, cfg.bigram_hash_rows), seed=6)
+    params = modded_params(ref, cfg)
+    check_equal(cfg, params, ref, seed=7)
+    eot, tokens = V - 1, np.random.default_rng(8).integers(0, V - 1, (2, T))
+    tokens[0, [6, 20]] = tokens[1, 11] = eot
+    with torch.no_grad():
+        want = ref(torch.from_numpy(tokens), eot).numpy()
+    got = forward(params, cfg, tokens, segment_ids=document_segments(tokens, eot))
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-4, rtol=0)
+    unread = {**params, "bigram_embed": np.zeros_like(params["bigram_embed"])}
+    assert np.abs(np.asarray(forward(unread, cfg, tokens[:, :8])) - want[:, :8]).max() > 1e-2  # the table counts
+
+
+def test_equals_modded_nanogpt_with_its_learnable_exclusive_self_attention():
+    cfg = dataclasses.replace(MODDED, exclusive_self_attention=True)
+    ref = randomised(ModdedGPT(V, cfg.n_layers, HEADS, C, cfg.value_embeds, xsa=True), seed=10)
+    with torch.no_grad():
+        ref.xsa_alphas.copy_(torch.randn(ref.xsa_alphas.shape, generator=torch.Generator().manual_seed(11)))
+    params = modded_params(ref, cfg)
+    check_equal(cfg, params, ref, seed=12)
+    tokens = np.random.default_rng(12).integers(0, V, (3, T))
+    plain = forward(modded_params(ref, MODDED), MODDED, tokens)
+    assert np.abs(np.asarray(forward(params, cfg, tokens) - plain)).max() > 1e-2  # the heads lose their own values
+
+
+def test_exclusive_self_attention_leaves_no_part_along_each_heads_own_value():
+    """Grouped heads: each query head is cleared along its KV head's value for the token, wholly at
+    strength 1, not at all at 0, in proportion between."""
+    rng = np.random.default_rng(13)
+    out, v = jnp.asarray(rng.normal(size=(2, 5, 4, 8)), jnp.float32), jnp.asarray(rng.normal(size=(2, 5, 2, 8)), jnp.float32)
+    own = jnp.repeat(v, 2, axis=2)  # heads 0 and 1 read KV head 0, heads 2 and 3 KV head 1
+    along = lambda y: jnp.sum(y * own, -1) / jnp.linalg.norm(own, axis=-1)  # noqa: E731
+    np.testing.assert_allclose(along(without_own_value(out, v, jnp.ones(4))), 0.0, atol=1e-5)
+    np.testing.assert_array_equal(without_own_value(out, v, jnp.zeros(4)), out)
+    half = without_own_value(out, v, jnp.array([0.5, 1.0, 0.0, 0.5]))
+    np.testing.assert_allclose(along(half), along(out) * jnp.array([0.5, 0.0, 1.0, 0.5]), atol=1e-5)
+
+
+def test_the_bigram_hash_is_the_records_past_int32():
+    """Ids whose products with the multipliers pass 2^31 wrap alike in both."""
+    ref = ModdedGPT(V, 2, HEADS, C, 0, bigram_rows=251_903)
+    tokens = np.random.default_rng(9).integers(0, 200_000, (3, 40))
+    want = ref.bigram_hash(torch.from_numpy(tokens), None).numpy()
+    got = bigram_rows(jnp.asarray(tokens), None, jnp.broadcast_to(jnp.arange(40), tokens.shape), 251_903)
+    np.testing.assert_array_equal(np.asarray(got), want)
+    assert (36313 * tokens.astype(np.int64) >= 2**31).any()
 
 
 def test_equals_modded_nanogpt_on_packed_documents():

@@ -43,6 +43,10 @@ def _check_exportable(cfg: ModelConfig) -> str:
         refuse("value_embeds", "(Hugging Face GPT-2 and Llama have no value embeddings)")
     if cfg.smear:
         refuse("smear", "(Hugging Face GPT-2 and Llama do not mix the previous token's embedding in)")
+    if cfg.exclusive_self_attention:
+        refuse("exclusive_self_attention", "(Hugging Face GPT-2 and Llama keep each head's whole output)")
+    if cfg.bigram_hash_rows:
+        refuse("bigram_hash_rows", "(Hugging Face GPT-2 and Llama read no table of token pairs)")
     if cfg.backout:
         refuse("backout", "(Hugging Face GPT-2 and Llama do not subtract a middle block's stream)")
     if cfg.attention_scale:

@@ -5,7 +5,7 @@ One structure holds every layout (`init_cache`):
     {"k": [L, B, K, S, D], "v": [L, B, K, D, S], "index": [B]}   # whole context: position p in slot p
     + "slot_positions": [B, S]                                   # a ring (every block windowed)
     + "ring": {"k", "v", "slot_positions"}                       # long-short: the windowed blocks' rings
-    + "floor": [B], "tokens": [B, S]                             # documents; model.smear's record
+    + "floor": [B], "tokens": [B, S]                             # documents; the token before a pass
 
 Keys lie heads before positions and values positions last: the layouts a decode step's read of
 the cache wants (its scores sum over the head size, its values over the positions), so a step
@@ -90,7 +90,7 @@ def init_cache(cfg: ModelConfig, batch_size: int, max_length: int, *, documents:
     cache = {"k": k, "v": v, "index": jnp.zeros((batch_size,), jnp.int32)}
     if documents:
         cache["floor"] = jnp.zeros((batch_size,), jnp.int32)
-    if cfg.smear:  # the token each position holds, for the pass that follows it
+    if cfg.smear or cfg.bigram_hash_rows:  # the token each position holds, for the pass that follows it
         cache["tokens"] = jnp.zeros((batch_size, max_length), jnp.int32)
     if ring:
         cache["slot_positions"] = jnp.full((batch_size, max_length), -1, jnp.int32)
@@ -175,8 +175,9 @@ def document_floors(token_ids_BT: jax.Array, document_token: int, index_B: jax.A
 
 
 def write_tokens(tokens_BS: jax.Array, new_BT: jax.Array, index_B: jax.Array, ring: bool) -> jax.Array:
-    """Each row's T new token IDs written from its index on (model.smear's record of what each
-    cached position holds); in a `ring` of S slots, position p in slot p mod S, the last S of them."""
+    """Each row's T new token IDs written from its index on (what model.smear and bigram_hash_rows
+    read of the token before a pass); in a `ring` of S slots, position p in slot p mod S, the last
+    S of them."""
     S, T = tokens_BS.shape[1], new_BT.shape[1]
     if not ring:
         return jax.vmap(lambda row, new, at: jax.lax.dynamic_update_slice(row, new, (at,)))(

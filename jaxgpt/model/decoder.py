@@ -56,7 +56,7 @@ from jaxgpt.model.layers import (
     sinusoidal_positions,
 )
 from jaxgpt.model.nanochat_init import nanochat_init
-from jaxgpt.model.shortcuts import Shared, first_carry, layer_step, layer_table
+from jaxgpt.model.shortcuts import Shared, bigram_rows, first_carry, layer_step, layer_table
 from jaxgpt.model.token_ids import check_segment_ids, check_token_ids
 
 Params = dict[str, Any]
@@ -165,6 +165,11 @@ class Decoder(nn.Module):
             tables_NVX = self.param("value_embeds", nn.initializers.normal(cfg.init_std * (C / cfg.width_multiplier())**0.5),
                                     (cfg.value_embeds, V, cfg.kv_heads * cfg.head_size), jnp.float32)
             shared = shared._replace(value_lookups=jnp.take(tables_NVX, token_ids_BT, axis=1).astype(dtype))
+        if cfg.bigram_hash_rows:
+            table_NC = self.param("bigram_embed", nn.initializers.zeros, (cfg.bigram_hash_rows, C), jnp.float32)
+            before_B = None if cache is None else previous_tokens(cache, cache["index"] - 1)
+            rows_BT = bigram_rows(token_ids_BT, before_B, positions_BT, cfg.bigram_hash_rows)
+            shared = shared._replace(bigram_BTC=jnp.take(table_NC, rows_BT, axis=0).astype(dtype))
         skip_weights = None
         if cfg.unet_skips:
             skip_weights = self.param("skip_weights", nn.initializers.ones, (cfg.n_layers // 2,), jnp.float32)

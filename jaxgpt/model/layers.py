@@ -231,9 +231,25 @@ class CausalSelfAttention(nn.Module):
             out_BTHD = layered_attention(q_BTHD, kv, (k_BTKD, v_BTKD), place, window)
         else:
             out_BTHD = cached_attention(q_BTHD, kv, (k_BTKD, v_BTKD), place, window)
+        if cfg.exclusive_self_attention:
+            strength_H = jnp.tanh(self.param("xsa_alpha", nn.initializers.zeros, (H,), jnp.float32))
+            out_BTHD = without_own_value(out_BTHD, v_BTKD, strength_H)
         kv = None if place is None else (k_BTKD, v_BTKD)
         out = dense(cfg, self.kernels, cfg.d_model, "out", output=True)(out_BTHD.reshape(B, T, H * D))
         return nn.Dropout(cfg.dropout)(out, deterministic=self.deterministic), kv
+
+
+def without_own_value(out_BTHD: jax.Array, v_BTKD: jax.Array, strength_H: jax.Array) -> jax.Array:
+    """model.exclusive_self_attention: each head's output less `strength` times its projection on
+    the token's own value (its KV head's, normalised as F.normalize does, |v| at least 1e-4)."""
+    B, T, H, D = out_BTHD.shape
+    K = v_BTKD.shape[2]
+    v_BTKD = v_BTKD.astype(jnp.float32)
+    unit_BTK1D = (v_BTKD / jnp.maximum(jnp.linalg.norm(v_BTKD, axis=-1, keepdims=True), 1e-4))[:, :, :, None]
+    y_BTKGD = out_BTHD.astype(jnp.float32).reshape(B, T, K, H // K, D)  # the query heads of each KV head's group
+    along_BTKG1 = jnp.sum(y_BTKGD * unit_BTK1D, axis=-1, keepdims=True)
+    y_BTKGD = y_BTKGD - strength_H.reshape(K, H // K, 1) * along_BTKG1 * unit_BTK1D
+    return y_BTKGD.reshape(B, T, H, D).astype(out_BTHD.dtype)
 
 
 def prepare_qk(cfg: ModelConfig, q_BTHD: jax.Array, k_BTKD: jax.Array, rope: Rope | None) -> tuple[jax.Array, jax.Array]:
@@ -294,16 +310,21 @@ class TransformerBlock(nn.Module):
     def __call__(
         self, x_BTC: jax.Array, rope: Rope | None, kv: KV | None = None, place: CachePlace | None = None,
         x0_BTC: jax.Array | None = None, values: ValueEmbeds | None = None, segment_ids: jax.Array | None = None,
-        window: jax.Array | None = None,
+        window: jax.Array | None = None, bigram_BTC: jax.Array | None = None,
     ) -> tuple[jax.Array, KV | None]:
         """`x0_BTC`: the first block's input, mixed in under model.x0_mix; `values`: the value
-        embeddings (model.value_embeds); `segment_ids` and `window`: the attention's masks."""
+        embeddings (model.value_embeds); `segment_ids` and `window`: the attention's masks;
+        `bigram_BTC`: the bigram table's lookup, added times this block's lambda
+        (model.bigram_hash_rows)."""
         cfg, kernels = self.cfg, self.kernels
         B, T, _ = x_BTC.shape
         chex.assert_shape(x_BTC, (B, T, cfg.d_model))
         if cfg.x0_mix:
             mix = self.param("x0_mix", lambda _, shape, dtype: jnp.array([1.0, 0.0], dtype), (2,), jnp.float32)
             x_BTC = mixed(kernels, cfg, x_BTC, x0_BTC, mix[0], mix[1])
+        if cfg.bigram_hash_rows:
+            weight = self.param("bigram_lambda", nn.initializers.constant(0.1), (1,), jnp.float32)
+            x_BTC = mixed(kernels, cfg, x_BTC, bigram_BTC, jnp.float32(1.0), weight[0])
         attention = CausalSelfAttention(cfg, kernels, self.deterministic, self.train, name="attention")
         feed_forward = FeedForward(cfg, kernels, self.deterministic, name="feed_forward")
         attention_norm = make_norm(cfg, kernels, "attention_norm")

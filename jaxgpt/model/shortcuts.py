@@ -1,6 +1,7 @@
 """Paths around the blocks: U-net skips (model.unet_skips), value embeddings
-(model.value_embeds), the backout's mid-stack stream (model.backout) and each block's attention
-window (model.window_pattern), laid out per layer so that a stack of unequal layers stays one scan.
+(model.value_embeds), the bigram hash embedding (model.bigram_hash_rows), the backout's mid-stack
+stream (model.backout) and each block's attention window (model.window_pattern), laid out per
+layer so that a stack of unequal layers stays one scan.
 
 Each layer reads its share of a small per-layer table (`layer_table`, scanned beside the blocks'
 parameters): which skip it takes and with what weight, where it leaves its output for a later
@@ -26,12 +27,32 @@ from jaxgpt.model.layers import mixed
 
 class Shared(NamedTuple):
     """What every block reads besides the residual stream: the first block's input (model.x0_mix),
-    every value table's lookup of the tokens [N, B, T, K*D] (model.value_embeds) and the
-    attention's segments [B, T] (`forward(segment_ids=...)`)."""
+    every value table's lookup of the tokens [N, B, T, K*D] (model.value_embeds), the attention's
+    segments [B, T] (`forward(segment_ids=...)`) and the bigram table's lookup [B, T, C]
+    (model.bigram_hash_rows)."""
 
     x0_BTC: jax.Array | None = None
     value_lookups: jax.Array | None = None
     segment_ids: jax.Array | None = None
+    bigram_BTC: jax.Array | None = None
+
+
+# modded-nanogpt's multipliers of the token and the token before it: large odd numbers that spread
+# the pairs over int32 before the XOR (products of ids below 59,000 stay below 2^31).
+BIGRAM_MULTIPLIERS = (36313, 27191)
+
+
+def bigram_rows(token_ids_BT: jax.Array, before_B: jax.Array | None, positions_BT: jax.Array, rows: int) -> jax.Array:
+    """[B, T] the bigram table's row for each position: (a * token XOR b * previous token) mod
+    (rows - 1); the last row where the position is 0 (a sequence's or a document's first, which
+    has no token before it in its document). `before_B`: the token before each row's first (a
+    pass against a cache), else None."""
+    token = token_ids_BT.astype(jnp.int32)
+    first = jnp.zeros_like(token[:, :1]) if before_B is None else before_B.astype(jnp.int32)[:, None]
+    previous = jnp.concatenate([first, token[:, :-1]], axis=1)
+    a, b = BIGRAM_MULTIPLIERS
+    hashed = jnp.bitwise_xor(a * token, b * previous) % (rows - 1)
+    return jnp.where(positions_BT > 0, hashed, rows - 1)
 
 
 def skip_plan(n_layers: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -113,7 +134,8 @@ def layer_step(cfg: ModelConfig, kernels: Kernels) -> Callable[..., Any]:
             values = (shared.value_lookups, row["value_table"], row["value_on"])
         if "cache_row" in row:  # a long-short model's caches: this block's row in its kind's stack
             kv = kv._replace(row=row["cache_row"])
-        x_BTC, kv = block(x_BTC, rope, kv, place, shared.x0_BTC, values, shared.segment_ids, row.get("window"))
+        x_BTC, kv = block(x_BTC, rope, kv, place, shared.x0_BTC, values, shared.segment_ids, row.get("window"),
+                          shared.bigram_BTC)
         carry = carry._replace(x=x_BTC)
         if cfg.unet_skips:
             carry = carry._replace(skips=jax.lax.dynamic_update_index_in_dim(carry.skips, x_BTC, row["skip_to"], 0))

@@ -4,7 +4,8 @@ read from jaxgpt's group peaks so that a sweep varies them as it varies today's.
 
     group           leaves                                   peak                  betas          decay
     head            lm_head                                  lr_head · w           (0.8, 0.96)    0.01
-    embeddings      token_embedding, position_embedding      lr_embed · w          (0.8, 0.995)   0.001
+    embeddings      token_embedding, position_embedding,     lr_embed · w          (0.8, 0.995)   0.001
+                    bigram_embed (not nanochat's)
     value tables    value_embeds                             lr_embed · w / 2      (0.8, 0.995)   0.01
     resid lambdas   x0_mix[..., 0]                           lr_scalar / 100       (0.8, 0.95)    0.05
     x0 lambdas      x0_mix[..., 1]                           lr_scalar             (0.96, 0.95)   0

@@ -127,11 +127,11 @@ def decay_mask(params: Any) -> Any:
 
 
 def lr_group(path: tuple[Any, ...]) -> str:
-    """A leaf's learning-rate group: "embed" (the token, position and value embeddings, so a tied
-    head too), "head" (an untied head), "scalar" (norm gains, biases, the mixing and skip weights:
-    every leaf not a `kernel`) or "matrix" (the rest, at `lr` or on Muon)."""
+    """A leaf's learning-rate group: "embed" (the token, position, value and bigram embeddings, so
+    a tied head too), "head" (an untied head), "scalar" (norm gains, biases, the mixing and skip
+    weights: every leaf not a `kernel`) or "matrix" (the rest, at `lr` or on Muon)."""
     where = jax.tree_util.keystr(path)
-    if "token_embedding" in where or "position_embedding" in where or "value_embeds" in where:
+    if any(table in where for table in ("token_embedding", "position_embedding", "value_embeds", "bigram_embed")):
         return "embed"
     if "lm_head" in where:
         return "head"
