@@ -418,6 +418,9 @@ def test_slow_stages_say_what_they_do_with_a_progress_bar(corpus, tmp_path, monk
     assert "preparing: 100%" in err
     prepare_data(config(folder), cache_dir=tmp_path / "large")
     assert capsys.readouterr().err == ""  # found in the cache: nothing to announce
+    prepare_data(config(folder), cache_dir=tmp_path / "quiet", workers=1, progress=False)  # --no-progress
+    err = capsys.readouterr().err
+    assert "building the bpe tokenizer" in err and "preparing the token store in " in err and "preparing:" not in err
 
 
 def test_a_tokenizer_that_tiktoken_differs_from_falls_back_with_one_line(corpus, prepared, tmp_path,

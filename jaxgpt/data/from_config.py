@@ -78,7 +78,7 @@ def _prepared(cfg: RunConfig, source: Source, own: Tokenizer | None, cache: Path
     digest = listing_sha(listing)
     _note_a_changed_source(source, listing, cache)
     large = is_large(source)
-    tokenizer = own or source_tokenizer(data, source, cfg.model.vocab_size, digest, cache, announce=progress and large)
+    tokenizer = own or source_tokenizer(data, source, cfg.model.vocab_size, digest, cache, announce=large)
     _check_tokenizer(tokenizer, cfg)
     if tokenizer.document_token is None:
         print("note: the tokenizer has no begin-of-text or end-of-text token; documents follow each other with "

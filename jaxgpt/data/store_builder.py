@@ -54,8 +54,9 @@ PROGRESS = "progress.json"
 TASK_BYTES = 1 << 20  # text per task handed to a worker
 CHECK_BYTES = 1 << 20  # text on which tiktoken must give the tokenizer's own ids
 COMMIT_EVERY_S = 10.0
-# A source at least this large takes seconds: its stages say so, a progress bar shows, and
-# preparation uses every core unless told otherwise. A smaller one is prepared in silence.
+# A source at least this large takes seconds: its stages say so, a progress bar shows (not under
+# --no-progress), and preparation uses every core unless told otherwise. A smaller one is
+# prepared in silence.
 LARGE_SOURCE_BYTES = 4 << 20
 
 
@@ -214,7 +215,7 @@ def build_store(spec: StoreSpec, workers: int | None = None, progress: bool = Tr
         shutil.rmtree(folder)  # nothing to continue: start over
     folder.mkdir(parents=True, exist_ok=True)
     workers = workers or default_workers(spec)
-    announce = progress and spec.large
+    announce = spec.large  # its stage line; the bar too, with `progress`
     encoder_kind = state["encoder"] if state else choose_encoder(spec)
     splits = {name: _Split(folder, name, dtype, spec.shard_tokens, state and state["splits"][name])
               for name in SPLITS}
@@ -239,7 +240,7 @@ def build_store(spec: StoreSpec, workers: int | None = None, progress: bool = Tr
 
     done_bytes = sum(s.bytes for s in splits.values())
     bar = tqdm(total=spec.source.size() or None, initial=done_bytes, unit="B", unit_scale=True, desc="preparing",
-               file=sys.stderr, disable=not announce, dynamic_ncols=True)
+               file=sys.stderr, disable=not (announce and progress), dynamic_ncols=True)
     last_commit = time.monotonic()
     try:
         tasks = sent(_tasks(spec.source.documents(), consumed))
