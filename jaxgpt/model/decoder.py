@@ -153,8 +153,10 @@ class Decoder(nn.Module):
         rope = None
         if cfg.position == "rope":
             rope = rope_tables(positions_BT, cfg.head_size, cfg.rope_scale, cfg.rope_base, cfg.rope_truncated)
+        # The token before a cached pass's first, which model.smear and bigram_hash_rows read.
+        before_B = None if cache is None or "tokens" not in cache else previous_tokens(cache, cache["index"] - 1)
         if cfg.smear:
-            x_BTC = self._smeared(embed, x_BTC, positions_BT, cache)
+            x_BTC = self._smeared(embed, x_BTC, positions_BT, cache, before_B)
         x_BTC = nn.Dropout(cfg.dropout)(x_BTC, deterministic=self.deterministic).astype(dtype)
         chex.assert_shape(x_BTC, (B, T, C))
 
@@ -167,7 +169,6 @@ class Decoder(nn.Module):
             shared = shared._replace(value_lookups=jnp.take(tables_NVX, token_ids_BT, axis=1).astype(dtype))
         if cfg.bigram_hash_rows:
             table_NC = self.param("bigram_embed", nn.initializers.zeros, (cfg.bigram_hash_rows, C), jnp.float32)
-            before_B = None if cache is None else previous_tokens(cache, cache["index"] - 1)
             rows_BT = bigram_rows(token_ids_BT, before_B, positions_BT, cfg.bigram_hash_rows)
             shared = shared._replace(bigram_BTC=jnp.take(table_NC, rows_BT, axis=0).astype(dtype))
         skip_weights = None
@@ -231,10 +232,10 @@ class Decoder(nn.Module):
                 new_cache["tokens"] = write_tokens(cache["tokens"], token_ids_BT, cache["index"], ring=False)
         return logits_BTV, new_cache
 
-    def _smeared(self, embed, x_BTC, positions_BT, cache):
+    def _smeared(self, embed, x_BTC, positions_BT, cache, before_B):
         """model.smear: each position plus the previous one's embedding times lambda * sigmoid of
-        a gate read from its own first 24 channels; a pass against a cache reads the token before
-        its first from the cache. Where a position is 0 (a sequence's or a document's first) the
+        a gate read from its own first 24 channels; a pass against a cache embeds `before_B`, the
+        token before its first. Where a position is 0 (a sequence's or a document's first) the
         previous embedding is not added."""
         gate = nn.Dense(1, use_bias=False, kernel_init=dense_init(self.cfg), name="smear_gate")
         smear = self.param("smear_lambda", nn.initializers.zeros, (1,), jnp.float32)
@@ -242,7 +243,7 @@ class Decoder(nn.Module):
             before_B1C = jnp.zeros_like(x_BTC[:, :1])
         else:
             last_B = cache["index"] - 1
-            before_B1C = embed(previous_tokens(cache, last_B)[:, None], jnp.maximum(last_B, 0)[:, None])
+            before_B1C = embed(before_B[:, None], jnp.maximum(last_B, 0)[:, None])
         previous_BTC = jnp.concatenate([before_B1C, x_BTC[:, :-1]], axis=1)
         weight_BT1 = smear[0] * jax.nn.sigmoid(gate(x_BTC[..., :24]))
         weight_BT1 = jnp.where(positions_BT[..., None] > 0, weight_BT1, 0.0)
