@@ -378,6 +378,14 @@ class TrainConfig:
     # at d_model they are scaled by (d_model / this)^-0.5 (nanochat: 768); 0: not scaled.
     adam_reference_width: int = entry(0, IDENTITY, INIT_FROM)
     mtp_weight: float = entry(0.3, IDENTITY, FORCE, INIT_FROM)  # weight of the multi-token-prediction losses beside the next-token loss
+    # The next-token logits also scored against the tokens 2, 3, ... ahead at these weights,
+    # each falling to 0 in its stage of the run (modded-nanogpt's [0.5, 0.25];
+    # jaxgpt/train/extra_targets.py). []: the next token alone.
+    future_token_weights: tuple[float, ...] = entry((), IDENTITY, FORCE, INIT_FROM)
+    # The next-token logits also scored against the token whose bytes are the longest proper
+    # prefix of the next token's, at this weight, falling to 0 over the run's second third
+    # (modded-nanogpt's 0.25). 0: off.
+    prefix_token_weight: float = entry(0.0, IDENTITY, FORCE, INIT_FROM)
     seed: int = entry(0, IDENTITY, FORCE, INIT_FROM, SWEEP)
     log_every: int = entry(10, IDENTITY, RESUME, FORCE, INIT_FROM)
     eval_every: int = entry(250, IDENTITY, RESUME, FORCE, INIT_FROM)
@@ -428,7 +436,11 @@ class TrainConfig:
         _positive(s, self, "steps", "batch_size", "grad_accum", "lr", "muon_lr", "log_every", "eval_every")
         _positive(s, self, "eval_batches", "checkpoint_every", "keep_checkpoints", "fsdp", "adam_eps")
         _positive(s, self, "min_lr", "warmup_steps", "weight_decay", "clip_norm", "sample_tokens",
-                  "seed", "mtp_weight", "window_warmup_steps", allow_zero=True)
+                  "seed", "mtp_weight", "window_warmup_steps", "prefix_token_weight", allow_zero=True)
+        for weight in self.future_token_weights:
+            if not (math.isfinite(weight) and weight > 0):
+                raise ConfigError(f"train.future_token_weights = {list(self.future_token_weights)} holds "
+                                  f"{weight!r}: each weight must be a finite number > 0")
         _choice(s, "parallel", self.parallel, PARALLEL_MODES)
         _choice(s, "optimizer", self.optimizer, ("adamw", "muon"))
         _choice(s, "schedule", self.schedule, ("cosine", "warmdown"))
@@ -557,13 +569,14 @@ def _toml_value(value: Any) -> str:
 
 
 _KIND_NAMES = {"int": "an integer", "float": "a number", "str": "a string", "bool": "true or false",
-               "tuple[str, ...]": "a list of strings"}
+               "tuple[str, ...]": "a list of strings", "tuple[float, ...]": "a list of numbers"}
 
 
 def _coerce(section: str, name: str, value: Any, spec: dataclasses.Field) -> Any:
     """Check a TOML value against the field's annotation; ints are accepted for floats, and
     true / false for a string key that names their meaning (`metadata["bool"]`). A list key
-    takes a TOML array of strings or one comma-separated string (`--set train.trackers=a,b`)."""
+    takes a TOML array of strings or one comma-separated string (`--set train.trackers=a,b`); a
+    list of numbers, a TOML array of numbers or one number."""
     wanted = {"int": int, "float": float, "str": str, "bool": bool}
     base = str(spec.type).replace(" | None", "")
     if base == "tuple[str, ...]":
@@ -572,6 +585,11 @@ def _coerce(section: str, name: str, value: Any, spec: dataclasses.Field) -> Any
         if not isinstance(value, (list, tuple)) or not all(isinstance(item, str) for item in value):
             raise ConfigError(f"{section}.{name} = {value!r} must be {_KIND_NAMES[base]}")
         return tuple(value)
+    if base == "tuple[float, ...]":
+        numbers = value if isinstance(value, (list, tuple)) else [value]
+        if not all(isinstance(item, (int, float)) and not isinstance(item, bool) for item in numbers):
+            raise ConfigError(f"{section}.{name} = {value!r} must be {_KIND_NAMES[base]}")
+        return tuple(float(item) for item in numbers)
     if isinstance(value, bool) and "bool" in spec.metadata:
         return spec.metadata["bool"][value]
     kind = wanted[base]

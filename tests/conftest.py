@@ -22,7 +22,20 @@ SPEEDRUN = ["model.position=rope", "model.norm=rmsnorm", "model.qk_norm=true", "
             "model.unet_skips=true", "model.value_embeds=1", "model.tie_embeddings=false", "model.kv_heads=2",
             "model.rope_truncated=true", "model.attention_scale=0.12", "model.n_layers=3", "model.mtp_depth=1",
             "model.bigram_hash_rows=509", "model.exclusive_self_attention=true",
-            "train.optimizer=muon", "train.lr_embed=6e-3", "train.lr_head=2e-3", "train.lr_scalar=4e-3"]
+            "train.optimizer=muon", "train.lr_embed=6e-3", "train.lr_head=2e-3", "train.lr_scalar=4e-3",
+            "train.future_token_weights=[0.5, 0.25]", "train.prefix_token_weight=0.25"]
+
+
+def with_stand_in_prefixes(rows, context_length: int, prefix_token_weight: float):
+    """Token rows [B, W] as a train step takes them: where train.prefix_token_weight asks for prefix
+    targets (jaxgpt.data.batches.batch_width), a stand-in for them after: half of each next token's
+    id, none (-1) for an odd id. Tests that draw their own rows and no tokenizer use it."""
+    if not prefix_token_weight:
+        return rows
+    import numpy as np
+
+    following = np.asarray(rows)[:, 1:1 + context_length]
+    return np.concatenate([np.asarray(rows), np.where(following % 2, -1, following // 2).astype(np.int32)], axis=1)
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_FLAGS", xla_flags(8))

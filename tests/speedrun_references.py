@@ -33,6 +33,12 @@ with gated value embeddings on alternating layers (the last always), rotary by -
 S = a quarter of the context rounded up to 128, L = all of it, the last layer L); a ReLU² MLP;
 after the stack it subtracts backout_lambda times the middle block's output, RMS-norms, and caps
 untied logits at 15.
+
+`multi_token_loss` and `multi_token_weights`: the training loss of the record of 2025-12-22
+(records/track_1_short/2025-12-22_MultiTokenPrediction): one stream's logits scored against the
+targets 1, 2, 3 ahead, each at its weight, terms past the stream's end zeroed, summed; the
+weights by the share x of the scheduled steps done: [1, .5, .25 (1 - 3x)] in the first third,
+[1, .5 (1 - (3x - 1))] in the second, [1] in the last.
 """
 
 from __future__ import annotations
@@ -228,3 +234,20 @@ class NanochatGPT(nn.Module):
         x = x - self.backout_lambda * backout
         logits = self.lm_head(rms_norm(x))[..., :self.vocab_size]
         return 15 * torch.tanh(logits / 15)
+
+
+def multi_token_weights(x: float) -> list[float]:
+    if x < 1 / 3:
+        return [1.0, 0.5, 0.25 * (1 - 3 * x)]
+    if x < 2 / 3:
+        return [1.0, 0.5 * (1 - (3 * x - 1))]
+    return [1.0]
+
+
+def multi_token_loss(logits_TV: torch.Tensor, targets_T: torch.Tensor, weights: list[float]) -> torch.Tensor:
+    n = len(weights)
+    ahead_Tn = F.pad(targets_T, (0, n - 1)).unfold(0, n, 1)  # row t: the targets t, t + 1, .., t + n - 1
+    losses_Tn = torch.logsumexp(logits_TV, dim=-1)[:, None] - logits_TV.gather(1, ahead_Tn)
+    for k in range(1, n):
+        losses_Tn[-k:, k] = 0
+    return (losses_Tn * torch.tensor(weights)).sum()

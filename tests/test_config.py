@@ -93,7 +93,7 @@ def test_every_key_declares_its_roles_once_and_the_rules_read_them():
                                     "value_embeds_layout": "alternating", "init_scheme": "nanochat",
                                     "schedule": "warmdown", "adam_groups": "nanochat",
                                     "muon_orthogonalizer": "polar_express", "muon_momentum_schedule": "nanochat",
-                                    "muon_decay_schedule": "cosine"}.get(name, "other"))(value)
+                                    "muon_decay_schedule": "cosine", "future_token_weights": [0.5]}.get(name, "other"))(value)
         if value is None:  # a key that follows another (the group peaks follow train.lr)
             other = 1e-3
         if name == "bigram_hash_rows":  # one row would hold no pair
@@ -193,6 +193,10 @@ def test_ffn_match_params_refuses_another_explicit_hidden_size():
     (["train.warmdown_ratio=1.5"], "train.warmdown_ratio = 1.5 must be in [0, 1]"),
     (["train.adam_groups=torch"], "train.adam_groups = 'torch' is not one of jaxgpt, nanochat"),
     (["train.adam_reference_width=-768"], "train.adam_reference_width = -768 must be >= 0"),
+    (["train.future_token_weights=[0.5, -0.25]"],
+     "train.future_token_weights = [0.5, -0.25] holds -0.25: each weight must be a finite number > 0"),
+    (["train.future_token_weights=[0.5, nan]"], "holds nan: each weight must be a finite number > 0"),
+    (["train.future_token_weights=[\"a\"]"], "train.future_token_weights = ['a'] must be a list of numbers"),
     (["model.n_head=2"], "unknown config key model.n_head (did you mean 'n_heads'?)"),
     (["modle.n_heads=2"], "unknown config section 'modle' (did you mean 'model'?)"),
     (["model.d_model=big"], "model.d_model = 'big' must be an integer"),

@@ -11,13 +11,14 @@ import pytest
 
 from jaxgpt.config import ModelConfig, RunConfig, TrainConfig, load_config
 from jaxgpt.kernels import PORTABLE
-from jaxgpt.kernels.head_loss import chunk_count, mean_head_loss
+from jaxgpt.kernels.head_loss import chunk_count, mean_head_loss, weighted_head_loss
 from jaxgpt.model.decoder import init_params
 from jaxgpt.train.step import depth_losses, init_state, train_step, training_loss
 
 BASE = ModelConfig(vocab_size=96, context_length=16, d_model=32, n_layers=1, n_heads=4, hidden_size=48)
 # 4 chunks of the batch's 2 x 16 x 96 logits: every test below crosses chunk boundaries.
-FUSED = dataclasses.replace(PORTABLE, name="fused", head_loss=functools.partial(mean_head_loss, logits_budget=768))
+FUSED = dataclasses.replace(PORTABLE, name="fused", head_loss=functools.partial(mean_head_loss, logits_budget=768),
+                            weighted_head_loss=functools.partial(weighted_head_loss, logits_budget=768))
 
 
 def test_chunks_divide_the_context_and_fit_the_budget():
@@ -28,24 +29,29 @@ def test_chunks_divide_the_context_and_fit_the_budget():
     assert chunk_count(32, 1024, 50304, 2**27) == 16  # GPT-2 at batch 32: 412 MB of logits a chunk
 
 
-@pytest.mark.parametrize("overrides", [{"mtp_depth": 2}, {"tie_embeddings": False, "mtp_depth": 1, "position": "rope"}],
-                         ids=["tied-mtp2", "untied-mtp1"])
-def test_fused_head_loss_equals_the_plain_head_and_cross_entropy(overrides):
+@pytest.mark.parametrize("overrides", [{"mtp_depth": 2}, {"tie_embeddings": False, "mtp_depth": 1, "position": "rope"},
+                                       {"tie_embeddings": False, "logit_softcap": 15.0}],
+                         ids=["tied-mtp2", "untied-mtp1", "untied-capped"])
+@pytest.mark.parametrize("extra", [None, [0.5, 0.25]], ids=["next-token", "further-targets"])
+def test_fused_head_loss_equals_the_plain_head_and_cross_entropy(overrides, extra):
     # float32: every depth's loss and the gradient of the training loss within 1e-5, tied and
-    # untied, each with MTP depths (whose losses are weighted apart from the next-token one).
+    # untied, each with MTP depths (whose losses are weighted apart from the next-token one), and
+    # with the next-token logits scored against the tokens 2 and 3 ahead too (`weighted_head_loss`).
     cfg = dataclasses.replace(BASE, **overrides)
     params = init_params(cfg, jax.random.key(0))
     window = jax.random.randint(jax.random.key(1), (2, cfg.context_length + 1 + cfg.mtp_depth), 0, cfg.vocab_size)
+    weights = None if extra is None else jnp.array(extra)
 
     def objective(p, kernels):
-        depths = depth_losses(p, cfg, window, train=True, kernels=kernels)
-        return training_loss(depths, 0.3), depths
+        depths = depth_losses(p, cfg, window, train=True, kernels=kernels, extra=weights)
+        return training_loss(depths, 0.3, extra=weights is not None), depths
 
     both = jax.jit(lambda p: (jax.value_and_grad(objective, has_aux=True)(p, PORTABLE),
                               jax.value_and_grad(objective, has_aux=True)(p, FUSED)))
-    ((_, want_depths), want_grads), ((_, got_depths), got_grads) = both(params)
-    assert got_depths.shape == (1 + cfg.mtp_depth,)
+    ((want, want_depths), want_grads), ((got, got_depths), got_grads) = both(params)
+    assert got_depths.shape == (1 + cfg.mtp_depth + (extra is not None),)
     np.testing.assert_allclose(got_depths, want_depths, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
     for (path, got), want in zip(jax.tree_util.tree_leaves_with_path(got_grads), jax.tree_util.tree_leaves(want_grads)):
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * max(1.0, float(jnp.abs(want).max())),
                                    err_msg=jax.tree_util.keystr(path))

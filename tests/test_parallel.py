@@ -8,13 +8,13 @@ import json
 import jax
 import numpy as np
 import pytest
-from conftest import SPEEDRUN
+from conftest import SPEEDRUN, with_stand_in_prefixes
 
 from jaxgpt.config import RunConfig, load_config
 from jaxgpt.data import get_batch
 from jaxgpt.process import distributed
 from jaxgpt.train import sharding
-from jaxgpt.train.step import init_state, train_step, window_length
+from jaxgpt.train.step import batch_width, init_state, train_step, window_length
 
 # adam_eps = 1e-4 rather than 1e-8: Adam's first update is lr * g / (|g| + eps), whose slope at
 # g = 0 is lr / eps. With eps = 1e-8 the rounding of a different summation order in the few
@@ -49,8 +49,9 @@ def with_fsdp(cfg: RunConfig, fsdp: int) -> RunConfig:
 
 
 def batch_at(cfg: RunConfig, step: int) -> np.ndarray:
-    return get_batch(TOKENS, seed=1, step=step, batch_size=cfg.train.batch_size,
-                     window=window_length(cfg.model))
+    return with_stand_in_prefixes(get_batch(TOKENS, seed=1, step=step, batch_size=cfg.train.batch_size,
+                                            window=window_length(cfg.model)),
+                                  cfg.model.context_length, cfg.train.prefix_token_weight)
 
 
 # XLA's CPU backend compiles ~3x faster without LLVM optimisation; the partitioning (what these
@@ -69,7 +70,7 @@ def runners(name: str):
     to_host(state) -> host_state)}); compiled once per config and shared by the tests."""
     cfg = load_config(None, CONFIGS[name])
     shapes = sharding.state_shapes(cfg)
-    B, W = cfg.train.batch_size, window_length(cfg.model)
+    B, W = cfg.train.batch_size, batch_width(cfg)
     single = jax.jit(functools.partial(train_step, cfg)).lower(
         shapes, jax.ShapeDtypeStruct((B, W), np.int32)).compile(FAST)
     out = {"single": (jax.device_put, single, jax.device_get)}

@@ -4,9 +4,10 @@ import dataclasses
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import SPEEDRUN
+from conftest import SPEEDRUN, with_stand_in_prefixes
 
 from jaxgpt.config import RunConfig, load_config
 from jaxgpt.model.decoder import init_params, stack_blocks, unstack_blocks
@@ -18,7 +19,8 @@ TINY = ["model.vocab_size=64", "model.context_length=8", "model.d_model=32", "mo
 
 
 def batch_for(cfg: RunConfig, size: int) -> jax.Array:
-    return jax.random.randint(jax.random.key(5), (size, window_length(cfg.model)), 0, cfg.model.vocab_size)
+    rows = jax.random.randint(jax.random.key(5), (size, window_length(cfg.model)), 0, cfg.model.vocab_size)
+    return jnp.asarray(with_stand_in_prefixes(rows, cfg.model.context_length, cfg.train.prefix_token_weight))
 
 
 def test_gradient_accumulation_equals_one_large_batch():

@@ -5,7 +5,8 @@ data.align = "document", over its document starts), so resuming needs only the s
 process reads only its rows of the global batch. data.align = "bestfit" takes nanochat's rows
 instead (`bestfit.py`), in order, train and val alike: a function of the step alone. A window may run across a document's end (the
 end-of-text token marks it) and from one shard into the next. With data.document_mask each row
-carries its segment ids after its tokens (`batch_width`): the end-of-text token opens a segment.
+carries its segment ids after its tokens (`batch_width`): the end-of-text token opens a segment;
+with train.prefix_token_weight, each input's prefix target after those.
 """
 
 from __future__ import annotations
@@ -89,8 +90,16 @@ def window_length(model: ModelConfig) -> int:
 
 def batch_width(cfg: RunConfig) -> int:
     """Entries per batch row: its tokens (`window_length`), then with data.document_mask the
-    segment id of each of the context's tokens."""
-    return window_length(cfg.model) + (cfg.model.context_length if cfg.data.document_mask else 0)
+    segment id of each of the context's tokens, then with train.prefix_token_weight each input's
+    prefix target (`prefix_targets`)."""
+    T = cfg.model.context_length
+    return window_length(cfg.model) + (T if cfg.data.document_mask else 0) + (T if cfg.train.prefix_token_weight else 0)
+
+
+def prefix_targets(rows: np.ndarray, context_length: int, prefix_ids: np.ndarray) -> np.ndarray:
+    """[B, T]: each input's prefix target, the token whose bytes are the longest proper prefix of
+    its next token's (`Tokenizer.prefix_ids`), -1 where there is none."""
+    return prefix_ids[rows[:, 1:1 + context_length]]
 
 
 def with_segments(rows: np.ndarray, context_length: int, token: int) -> np.ndarray:
@@ -178,9 +187,12 @@ def document_token(tokenizer: Tokenizer) -> int:
 
 
 def _with_documents(cfg: RunConfig, data: RunData, batch: np.ndarray) -> np.ndarray:
-    if not cfg.data.document_mask:
-        return batch
-    return with_segments(batch, cfg.model.context_length, document_token(data.tokenizer))
+    """The rows with their segment ids and prefix targets, where the config asks for them (`batch_width`)."""
+    T = cfg.model.context_length
+    rows = with_segments(batch, T, document_token(data.tokenizer)) if cfg.data.document_mask else batch
+    if cfg.train.prefix_token_weight:
+        rows = np.concatenate([rows, prefix_targets(batch, T, data.tokenizer.prefix_ids(cfg.model.vocab_size))], axis=1)
+    return rows
 
 
 def _process_slice(whole: bool = False) -> dict[str, int]:

@@ -57,6 +57,7 @@ class Tokenizer:
         canonical = json.dumps(config, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
         self.fingerprint = hashlib.sha256(canonical.encode()).hexdigest()
         self._cut_rule = _cut_rule(config)
+        self._kept: dict[tuple, np.ndarray] = {}
 
     @property
     def vocab_size(self) -> int:
@@ -104,6 +105,25 @@ class Tokenizer:
         if self._cut_rule == BPE and token is not None and all(c in BYTE_DECODER for c in token):
             return bytes(BYTE_DECODER[c] for c in token)
         return self._hf.decode([token_id], skip_special_tokens=False).encode("utf-8")
+
+    def prefix_ids(self, vocab_size: int) -> np.ndarray:
+        """int32 [vocab_size]: for each token, the token whose bytes are the longest proper prefix
+        of its bytes (-1: none; a special token, a single byte, an id past the vocabulary).
+        modded-nanogpt's prefix-token targets (`train.prefix_token_weight`); kept once made."""
+        key = ("prefix_ids", vocab_size)
+        if key not in self._kept:
+            special = self.special_ids()
+            ids = [i for i in range(min(vocab_size, self.vocab_size)) if i not in special]
+            pieces = {i: self.token_bytes(i) for i in ids}
+            by_bytes: dict[bytes, int] = {}
+            for i in ids:
+                by_bytes.setdefault(pieces[i], i)
+            table = np.full(vocab_size, -1, np.int32)
+            for i in ids:
+                piece = pieces[i]
+                table[i] = next((by_bytes[piece[:k]] for k in range(len(piece) - 1, 0, -1) if piece[:k] in by_bytes), -1)
+            self._kept[key] = table
+        return self._kept[key]
 
     def encode(self, text: str) -> np.ndarray:
         return self.encode_many([text])[0]

@@ -65,6 +65,10 @@ class Kernels:
     # float32 scalar, `weight` the embedding [V, C] when tied, the head's kernel [C, V] otherwise.
     # None: the logits above, then the cross-entropy (all [B, T, V] logits in memory).
     head_loss: Callable[..., Any] | None = None
+    # The same against several targets at once (`jaxgpt.kernels.head_loss.weighted_head_loss`):
+    # (h_BTC, weight, targets_KBT, weights_K, *, tied, dtype, softcap) -> (Σ_k weights[k] * mean
+    # loss of targets[k], the next-token loss of targets[0] without a gradient). Set with `head_loss`.
+    weighted_head_loss: Callable[..., Any] | None = None
     # Layers per iteration of the scanned block stack's loop in a train step's passes
     # (`lax.scan(unroll=...)`); the params keep their stacked layout whatever it is. The number of
     # layers or more: no loop at all. Evaluation and decoding keep one layer an iteration, which

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from jaxgpt.kernels import xla
 from jaxgpt.kernels.base import Kernels, per_device
-from jaxgpt.kernels.head_loss import mean_head_loss
+from jaxgpt.kernels.head_loss import mean_head_loss, weighted_head_loss
 
 
 def causal_attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, *, train: bool = False,
@@ -55,7 +55,8 @@ attention = xla.masks_by_xla(causal_attention, _portable_for_masks)
 # loop's iterations copy their slices of the stacked params and saved activations (memcpy, 9 % of
 # GPT-2 124M's step on an H200), whose step takes 66 ms unrolled against 77 ms looped
 # (docs/performance.md).
-KERNELS = dataclasses.replace(xla.KERNELS, name="gpu", attention=attention, head_loss=mean_head_loss, scan_unroll=1 << 30,
+KERNELS = dataclasses.replace(xla.KERNELS, name="gpu", attention=attention, head_loss=mean_head_loss,
+                              weighted_head_loss=weighted_head_loss, scan_unroll=1 << 30,
                               recompute_elementwise=False,
                               mesh_attention=lambda mesh, axes: functools.partial(attention, mesh=mesh, axes=axes))
 

@@ -44,7 +44,7 @@ import jax.numpy as jnp
 
 from jaxgpt.kernels import xla
 from jaxgpt.kernels.base import Kernels, per_device
-from jaxgpt.kernels.head_loss import mean_head_loss
+from jaxgpt.kernels.head_loss import mean_head_loss, weighted_head_loss
 
 try:  # the kernel's home in jax; a jax without it leaves the set unusable, not unimportable
     from jax.experimental.pallas import tpu as pltpu
@@ -147,6 +147,7 @@ def kernels(interpret: bool = False, max_block: int = MAX_BLOCK, window: int = 0
         attend = xla.with_banded(attend, functools.partial(attend, band=window), every_block, segments=True)
     return dataclasses.replace(
         xla.KERNELS, name="tpu-interpret" if interpret else "tpu", attention=attend, head_loss=mean_head_loss,
+        weighted_head_loss=weighted_head_loss,
         mesh_attention=lambda mesh, axes: functools.partial(attend, mesh=mesh, axes=axes))
 
 

@@ -126,6 +126,8 @@ def time_train_step(cfg: RunConfig, repeats: int, with_peak: bool = False) -> di
     batch = _tokens(cfg.model, (cfg.train.batch_size, window_length(cfg.model)))
     if cfg.data.document_mask:  # the built-in tokenizers' end-of-text is their last id
         batch = jnp.asarray(with_segments(np.asarray(batch), cfg.model.context_length, cfg.model.vocab_size - 1))
+    if cfg.train.prefix_token_weight:  # any ids stand for the prefix targets: the step's work is the same
+        batch = jnp.concatenate([batch, _tokens(cfg.model, (cfg.train.batch_size, cfg.model.context_length), 2)], axis=1)
     step, compile_s = compile_timed(compile_steps(cfg)[0], state, batch)
     holder = [state]
 

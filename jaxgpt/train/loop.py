@@ -50,12 +50,18 @@ def manifest(cfg: RunConfig, data: RunData) -> dict[str, Any]:
             "tokenizer_sha256": data.tokenizer.fingerprint, "data_sha256": data.tokens.fingerprint}
 
 
+def _as_saved(value: Any) -> Any:
+    """A value as a checkpoint's JSON manifest holds it: a list key's tuple as a list."""
+    return list(value) if isinstance(value, tuple) else value
+
+
 def changed_keys(old: dict[str, dict[str, Any]], new: dict[str, dict[str, Any]],
                  ignore: tuple[str, ...] = ()) -> list[str]:
-    """"section.key was X, now Y" for each key whose value differs, but those in `ignore`."""
-    return [f"{section}.{key} was {old.get(section, {}).get(key)!r}, now {value!r}"
+    """"section.key was X, now Y" for each key whose value differs, but those in `ignore`; `old`
+    may be a manifest's config (JSON: lists where the config holds tuples)."""
+    return [f"{section}.{key} was {_as_saved(old.get(section, {}).get(key))!r}, now {_as_saved(value)!r}"
             for section in new for key, value in new[section].items()
-            if old.get(section, {}).get(key) != value and f"{section}.{key}" not in ignore]
+            if _as_saved(old.get(section, {}).get(key)) != _as_saved(value) and f"{section}.{key}" not in ignore]
 
 
 def check_config_change(saved: RunConfig, new: RunConfig, run_dir: Path, force: bool) -> None:

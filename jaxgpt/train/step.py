@@ -19,9 +19,11 @@ from jaxgpt.config import ModelConfig, RunConfig
 from jaxgpt.data.batches import batch_width, window_length  # noqa: F401  (scripts import them from here too)
 from jaxgpt.kernels.base import Kernels
 from jaxgpt.kernels.choose import choose_kernels
+from jaxgpt.kernels.head_loss import weighted_sums
 from jaxgpt.model.decoder import Params, forward, head_inputs, head_weight, init_params
 from jaxgpt.model.dtypes import compute_dtype
 from jaxgpt.model.knobs import Knobs
+from jaxgpt.train.extra_targets import ahead, extra_weights
 from jaxgpt.train.optim import OptHParams, lr_schedule, make_optimizer
 
 
@@ -46,37 +48,64 @@ def state_from_params(cfg: RunConfig, params: Params) -> TrainState:
 
 def depth_losses(params: Params, model: ModelConfig, window_BW: jax.Array, *, train: bool = False,
                  rng: jax.Array | None = None, kernels: Kernels | None = None, segmented: bool = False,
-                 knobs: Knobs | None = None) -> jax.Array:
+                 knobs: Knobs | None = None, extra: jax.Array | None = None, prefixed: bool = False) -> jax.Array:
     """Mean cross-entropy (float32) of each prediction depth: [1 + mtp_depth].
 
     `kernels`: by default the ones `jaxgpt.kernels` chooses for the model on this backend. Kernels
     with a fused head and loss (`Kernels.head_loss`) take the hidden states instead of the logits,
     so the [B, T, V] logits are never all in memory. `segmented`: the rows end with their inputs'
     segment ids (data.document_mask). `knobs`: a vmapped sweep member's (default: the config's).
+    `extra` [n + p]: the next-token logits are also scored against the tokens 2 .. n + 1 ahead
+    and, with `prefixed` (p = 1), the prefix targets the rows end with, at these weights
+    (`jaxgpt.train.extra_targets`); the result then has one more entry, last, the next-token
+    objective they make, and its first (the next-token loss) carries no gradient.
     """
     T, W = model.context_length, window_length(model)
     kernels = kernels or choose_kernels(model)
     inputs_BT = window_BW[:, :T]
     segment_ids = window_BW[:, W:W + T] if segmented else None
     targets_DBT = jnp.stack([window_BW[:, 1 + d: 1 + d + T] for d in range(1 + model.mtp_depth)])
+    if extra is not None:
+        extra_BT = [ahead(window_BW[:, :W], T, d) for d in range(1, len(extra) - prefixed + 1)]
+        if prefixed:
+            at = W + (T if segmented else 0)
+            if window_BW.shape[1] < at + T:
+                raise ValueError(f"rows of {window_BW.shape[1]} entries hold no prefix targets: with "
+                                 f"train.prefix_token_weight they are {at + T} wide (jaxgpt.data.batches.batch_width)")
+            extra_BT.append(window_BW[:, at:at + T])
+        targets_KBT = jnp.stack([targets_DBT[0], *extra_BT])
+        weights_K = jnp.concatenate([jnp.ones((1,), jnp.float32), extra])
     if kernels.head_loss is not None:
         hidden_DBTC = head_inputs(params, model, inputs_BT, train=train, rng=rng, kernels=kernels,
                                   segment_ids=segment_ids, knobs=knobs)
         weight = head_weight(params, model)
-        return jnp.stack([kernels.head_loss(h_BTC, weight, t_BT, tied=model.tie_embeddings, dtype=compute_dtype(model),
-                                            softcap=model.logit_softcap)
-                          for h_BTC, t_BT in zip(hidden_DBTC, targets_DBT)])
+        fused = dict(tied=model.tie_embeddings, dtype=compute_dtype(model), softcap=model.logit_softcap)
+        losses = [kernels.head_loss(h_BTC, weight, t_BT, **fused) for h_BTC, t_BT in zip(hidden_DBTC, targets_DBT)]
+        if extra is None:
+            return jnp.stack(losses)
+        objective, losses[0] = kernels.weighted_head_loss(hidden_DBTC[0], weight, targets_KBT, weights_K, **fused)
+        return jnp.stack([*losses, objective])
     logits_DBTV = forward(params, model, inputs_BT, all_depths=True, train=train, rng=rng, kernels=kernels,
                           segment_ids=segment_ids, knobs=knobs)
     losses = optax.softmax_cross_entropy_with_integer_labels(logits_DBTV.astype(jnp.float32), targets_DBT)
-    return losses.mean(axis=(1, 2))
+    if extra is None:
+        return losses.mean(axis=(1, 2))
+    B, V = inputs_BT.shape[0], logits_DBTV.shape[-1]
+    summed, _, _ = weighted_sums(logits_DBTV[0].astype(jnp.float32).reshape(B * T, V),
+                                 targets_KBT.reshape(len(weights_K), B * T), weights_K)
+    depths = losses.mean(axis=(1, 2))
+    return jnp.concatenate([jax.lax.stop_gradient(depths[:1]), depths[1:], (summed / (B * T))[None]])
 
 
-def training_loss(depths: jax.Array, mtp_weight: float) -> jax.Array:
-    """Next-token loss plus `mtp_weight` times the mean loss of the further-ahead depths."""
+def training_loss(depths: jax.Array, mtp_weight: float, extra: bool = False) -> jax.Array:
+    """Next-token loss plus `mtp_weight` times the mean loss of the further-ahead depths;
+    `extra`: the depths end with the next-token objective of `depth_losses(extra=...)`,
+    which then stands for the next-token loss."""
+    next_token = depths[-1] if extra else depths[0]
+    depths = depths[:-1] if extra else depths
     if depths.shape[0] == 1:
-        return depths[0]
-    return depths[0] + mtp_weight * depths[1:].mean()
+        return next_token
+    return next_token + mtp_weight * depths[1:].mean()
 
 
 def train_step(cfg: RunConfig, state: TrainState, batch_BW: jax.Array, axis_name: str | None = None, *,
@@ -108,15 +137,17 @@ def train_step(cfg: RunConfig, state: TrainState, batch_BW: jax.Array, axis_name
 
         def objective(params):
             depths = depth_losses(params, model, window_BW, train=True, rng=jax.random.fold_in(dropout_key, index),
-                                  kernels=kernels, segmented=cfg.data.document_mask, knobs=knobs)
-            return training_loss(depths, train.mtp_weight), depths
+                                  kernels=kernels, segmented=cfg.data.document_mask, knobs=knobs, extra=extra,
+                                  prefixed=bool(train.prefix_token_weight))
+            return training_loss(depths, train.mtp_weight, extra is not None), depths
 
         (_, depths), grads = jax.value_and_grad(objective, has_aux=True)(state.params)
         summed = jax.tree_util.tree_map(jnp.add, carry, (grads, depths))
         return summed, None
 
+    extra = extra_weights(train, state.step)
     zeros = jax.tree_util.tree_map(jnp.zeros_like, state.params)
-    init = (zeros, jnp.zeros((1 + model.mtp_depth,), jnp.float32))
+    init = (zeros, jnp.zeros((1 + model.mtp_depth + (extra is not None),), jnp.float32))
     (grads, depths), _ = jax.lax.scan(micro_grads, init, (jnp.arange(train.grad_accum), micro_ABW))
     grads, depths = jax.tree_util.tree_map(lambda g: g / train.grad_accum, (grads, depths))
     if axis_name is not None:
@@ -127,7 +158,9 @@ def train_step(cfg: RunConfig, state: TrainState, batch_BW: jax.Array, axis_name
     metrics = {"loss": depths[0], "grad_norm": optax.tree.norm(grads),
                "lr": lr_schedule(train, hparams)(state.step)}
     if model.mtp_depth:
-        metrics["mtp_loss"] = depths[1:].mean()
+        metrics["mtp_loss"] = depths[1:1 + model.mtp_depth].mean()
+    if extra is not None:
+        metrics["next_token_objective"] = depths[-1]
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
 
