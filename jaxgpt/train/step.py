@@ -80,11 +80,11 @@ def depth_losses(params: Params, model: ModelConfig, window_BW: jax.Array, *, tr
                                   segment_ids=segment_ids, knobs=knobs)
         weight = head_weight(params, model)
         fused = dict(tied=model.tie_embeddings, dtype=compute_dtype(model), softcap=model.logit_softcap)
-        losses = [kernels.head_loss(h_BTC, weight, t_BT, **fused) for h_BTC, t_BT in zip(hidden_DBTC, targets_DBT)]
         if extra is None:
-            return jnp.stack(losses)
-        objective, losses[0] = kernels.weighted_head_loss(hidden_DBTC[0], weight, targets_KBT, weights_K, **fused)
-        return jnp.stack([*losses, objective])
+            return jnp.stack([kernels.head_loss(h_BTC, weight, t_BT, **fused) for h_BTC, t_BT in zip(hidden_DBTC, targets_DBT)])
+        objective, next_token = kernels.weighted_head_loss(hidden_DBTC[0], weight, targets_KBT, weights_K, **fused)
+        further = [kernels.head_loss(h_BTC, weight, t_BT, **fused) for h_BTC, t_BT in zip(hidden_DBTC[1:], targets_DBT[1:])]
+        return jnp.stack([next_token, *further, objective])
     logits_DBTV = forward(params, model, inputs_BT, all_depths=True, train=train, rng=rng, kernels=kernels,
                           segment_ids=segment_ids, knobs=knobs)
     losses = optax.softmax_cross_entropy_with_integer_labels(logits_DBTV.astype(jnp.float32), targets_DBT)
