@@ -147,7 +147,7 @@ def train_batch(cfg: RunConfig, data: RunData, step: int, seed: int, *, whole: b
         starts = document_starts(data.tokens.train, document_token(data.tokenizer))
     batch = get_batch(data.tokens.train, seed=seed, step=step, stream=TRAIN_STREAM, starts=starts,
                       batch_size=cfg.train.batch_size, window=window_length(cfg.model), **_process_slice(whole))
-    return _with_documents(cfg, data, _checked(batch, cfg.model.vocab_size, "train"))
+    return _with_columns(cfg, data, _checked(batch, cfg.model.vocab_size, "train"))
 
 
 def val_batch(cfg: RunConfig, data: RunData, index: int, seed: int, *, whole: bool = False) -> np.ndarray:
@@ -158,7 +158,7 @@ def val_batch(cfg: RunConfig, data: RunData, index: int, seed: int, *, whole: bo
         return _bestfit_batch(cfg, data, "val", index, whole)
     batch = get_batch(data.tokens.val, seed=seed, step=index, stream=VAL_STREAM, batch_size=cfg.train.batch_size,
                       window=window_length(cfg.model), split="val", **_process_slice(whole))
-    return _with_documents(cfg, data, _checked(batch, cfg.model.vocab_size, "val"))
+    return _with_columns(cfg, data, _checked(batch, cfg.model.vocab_size, "val"))
 
 
 def row_plan(tokens: np.ndarray | Tokens, opener: int, window: int) -> RowPlan:
@@ -175,7 +175,7 @@ def _bestfit_batch(cfg: RunConfig, data: RunData, split: str, index: int, whole:
     plan = row_plan(tokens, document_token(data.tokenizer), window_length(cfg.model))
     mine = process_rows(cfg.train.batch_size, **_process_slice(whole))
     batch = plan.rows(tokens, index * cfg.train.batch_size + mine.start, mine.stop - mine.start)
-    return _with_documents(cfg, data, _checked(batch, cfg.model.vocab_size, split))
+    return _with_columns(cfg, data, _checked(batch, cfg.model.vocab_size, split))
 
 
 def document_token(tokenizer: Tokenizer) -> int:
@@ -186,7 +186,7 @@ def document_token(tokenizer: Tokenizer) -> int:
     return tokenizer.document_token
 
 
-def _with_documents(cfg: RunConfig, data: RunData, batch: np.ndarray) -> np.ndarray:
+def _with_columns(cfg: RunConfig, data: RunData, batch: np.ndarray) -> np.ndarray:
     """The rows with their segment ids and prefix targets, where the config asks for them (`batch_width`)."""
     T = cfg.model.context_length
     rows = with_segments(batch, T, document_token(data.tokenizer)) if cfg.data.document_mask else batch
