@@ -507,24 +507,56 @@ def test_one_process_writes_each_replicated_array_from_one_copy_unsliced(corpus,
     assert all(piece.slice_args is None for piece in written)
 
 
-def test_a_reader_logs_nothing_when_a_checkpoint_vanishes_under_it(reference, tmp_path):
+@contextlib.contextmanager
+def absl_messages():
+    """The messages logged to absl's logger (Orbax's) inside the block, past its filters."""
     import logging
 
-    ref_run, _, _ = reference
-    run = shutil.copytree(ref_run, tmp_path / "run")
-    (run / "checkpoints" / "4" / "_CHECKPOINT_METADATA").unlink()  # as the trainer's cleanup leaves it, mid-way
     logged: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: logged.append(record.getMessage())
     absl = logging.getLogger("absl")
     absl.addHandler(handler)
     try:
+        yield logged
+    finally:
+        absl.removeHandler(handler)
+
+
+def test_a_reader_logs_nothing_when_a_checkpoint_vanishes_under_it(reference, tmp_path):
+    ref_run, _, _ = reference
+    run = shutil.copytree(ref_run, tmp_path / "run")
+    (run / "checkpoints" / "4" / "_CHECKPOINT_METADATA").unlink()  # as the trainer's cleanup leaves it, mid-way
+    with absl_messages() as logged:
         reader = Checkpointer(run, keep=10, read_only=True)  # Orbax warns of both while it opens
         assert reader.steps()[:1] == [4]
         reader.close()
-    finally:
-        absl.removeHandler(handler)
     assert logged == []
+
+
+def test_a_reader_logs_nothing_when_the_trainer_drops_a_checkpoint_while_it_is_described(
+        reference, tmp_path, monkeypatch):
+    """The trainer's cleanup can move a checkpoint away after Orbax has listed its items and before
+    it reads their description: Orbax warns that the item "could not be restored"; the reader
+    takes the previous checkpoint, printing nothing."""
+    import orbax.checkpoint as ocp
+
+    ref_run, _, _ = reference
+    run = shutil.copytree(ref_run, tmp_path / "run")
+    newest = max(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit())
+    real = ocp.PyTreeCheckpointHandler.metadata
+
+    def dropped_first(self, directory):
+        step = Path(directory).parent
+        if step.name == str(newest) and step.is_dir():
+            step.rename(tmp_path / "dropped")
+        return real(self, directory)
+
+    monkeypatch.setattr(ocp.PyTreeCheckpointHandler, "metadata", dropped_first)
+    with absl_messages() as logged:
+        _, _, step = load_newest(run, warn=logged.append)
+    assert (tmp_path / "dropped").is_dir() and step == max(int(p.name) for p in (run / "checkpoints").iterdir())
+    assert step < newest and logged == []
 
 
 def test_a_restore_whose_reads_fail_together_logs_none_of_their_errors(caplog):

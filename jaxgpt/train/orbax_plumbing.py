@@ -121,13 +121,16 @@ def loops_that_finish_their_tasks() -> Iterator[None]:
 
 class ReaderNotices(logging.Filter):
     """What Orbax warns a reader of that a reader here expects: that it opened read-only (every
-    reader does, on purpose), and that a checkpoint's files vanished while it listed them (the
-    trainer dropped an old one: the reader lists again). Neither line tells a user anything."""
+    reader does, on purpose), and that a checkpoint's files vanished while it listed them or read
+    their description (the trainer dropped an old one: the reader lists again, and says in its
+    own words where the files of a checkpoint it keeps are missing). No line tells a user anything."""
 
     EXPECTED = ("Given directory is read only", "Metadata file does not exist")
+    VANISHED_ITEM = "was found in the checkpoint, but could not be restored"
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith(self.EXPECTED)
+        message = record.getMessage()
+        return not (message.startswith(self.EXPECTED) or self.VANISHED_ITEM in message)
 
 
 class TrainerNotices(logging.Filter):
