@@ -306,6 +306,34 @@ def sorted_reference(logits_BV, rng, top_k, top_p):
     return jax.random.categorical(rng, logits_BV, axis=-1)
 
 
+# A cache of every layout: the whole context (the speedrun block: swiglu's gate, value gates), a ring
+# (every block windowed) and a long-short model's, each with drafts from its MTP adapters.
+RING = dataclasses.replace(MTP_ROPE, attention_window=6)
+LONG_SHORT = dataclasses.replace(MTP_ROPE, n_layers=3, attention_window=6, window_pattern="SSL")
+
+
+@pytest.mark.parametrize("cfg", [SPEEDRUN_BLOCK, RING, LONG_SHORT], ids=["whole", "ring", "long-short"])
+def test_transposed_decoding_matrices_decode_the_same_greedy_tokens(cfg, monkeypatch):
+    """Kernels that read the blocks' matrices transposed (the GPU set's `transposed_decoding`) get
+    every dense layer's kernel as `kernel_t` [features, in], and decode, plainly and
+    speculatively, across slides, what the matrices as trained decode."""
+    prompts, n = [prompt(5, 7), prompt(20, 8)], 50
+    expected = [generate(params_for(cfg), cfg, prompts, n, speculative=speculative, **GREEDY)
+                for speculative in (False, True)]
+    real_kernels, real_weights, read = generate_module._kernels, generate_module.decoding_weights, []
+    monkeypatch.setattr(generate_module, "_kernels", lambda cfg, mesh: dataclasses.replace(
+        real_kernels(cfg, mesh), transposed_decoding=True))
+    monkeypatch.setattr(generate_module, "decoding_weights",
+                        lambda *args, **kwargs: read.append(real_weights(*args, **kwargs)) or read[-1])
+    got = [generate(params_for(cfg), cfg, prompts, n, speculative=speculative, **GREEDY)
+           for speculative in (False, True)]
+    names = {jax.tree_util.keystr(path): leaf.shape for path, leaf in jax.tree_util.tree_leaves_with_path(read[0].params)}
+    down, C = names["['blocks']['feed_forward']['down']['kernel_t']"], cfg.d_model
+    assert down == (cfg.n_layers, C, cfg.hidden_size) and not any(name.endswith("['kernel']") and "blocks" in name
+                                                                   for name in names)
+    assert got == expected and len(set(expected[0][1])) > 5
+
+
 @pytest.mark.parametrize("top_k, top_p", [(40, None), (40, 0.9), (3000, 0.5), (None, 0.9), (1, 0.5)])
 def test_top_k_and_top_p_over_slices_of_a_large_vocabulary_draw_as_a_full_sort(top_k, top_p):
     """A vocabulary of 50,304 ranked slice by slice (`largest`): the k largest values equal

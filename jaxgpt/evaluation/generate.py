@@ -67,6 +67,7 @@ from jaxgpt.model.cache import (
 )
 from jaxgpt.model.decoder import Params, forward_cached
 from jaxgpt.model.dtypes import compute_dtype
+from jaxgpt.model.layers import transposed_matrices
 from jaxgpt.model.read_dtypes import cast_leaf, read_targets
 
 # A finished row (one that produced `stop_token`) yields this from then on.
@@ -172,8 +173,10 @@ def decoding_weights(params: Params, cfg: ModelConfig, draft: int = 0, document_
                      kernels: Any = None) -> Weights:
     """`params` converted once, before any decode loop, to the dtype the model reads each in
     (`jaxgpt.model.read_dtypes`: a bfloat16 model's matrices), with a tied head's own converted
-    copy; every value decoded is unchanged. `params` may be `jax.ShapeDtypeStruct`s (a plan);
-    `kernels`: those the decoding runs (default: the sampler's)."""
+    copy, and laid out as the kernels read them (`Kernels.transposed_decoding`): the values
+    decoded are unchanged (a transposed matrix's products up to the order they sum in).
+    `params` may be `jax.ShapeDtypeStruct`s (a plan); `kernels`: those the decoding runs
+    (default: the sampler's)."""
     leaves, tree = jax.tree_util.tree_flatten(params)
     kernels = _kernels(cfg, params_mesh(params)) if kernels is None else kernels
     dtype = compute_dtype(cfg)
@@ -181,7 +184,8 @@ def decoding_weights(params: Params, cfg: ModelConfig, draft: int = 0, document_
     head = cast_leaf(table, dtype) if cfg.tie_embeddings and table.dtype != dtype else None
     shapes = tuple((leaf.shape, np.dtype(leaf.dtype).name) for leaf in leaves)
     targets = _read_targets(cfg, kernels, draft, document_token, tree, shapes, head is not None)
-    return Weights(tree.unflatten([cast_leaf(leaf, target) for leaf, target in zip(leaves, targets)]), head)
+    cast = tree.unflatten([cast_leaf(leaf, target) for leaf, target in zip(leaves, targets)])
+    return Weights(transposed_matrices(cast) if kernels.transposed_decoding else cast, head)
 
 
 @functools.lru_cache(maxsize=32)

@@ -74,6 +74,13 @@ class Kernels:
     # layers or more: no loop at all. Evaluation and decoding keep one layer an iteration, which
     # decodes faster (docs/performance.md, GPT-2 124M on an accelerator).
     scan_unroll: int = 1
+    # Whether the sampler holds the blocks' matrices transposed ([features, in],
+    # `jaxgpt.model.layers.transposed_matrices`, converted with its dtype cast before any decode
+    # loop): for backends whose compiler computes a one-token product with a [in, features] matrix
+    # as a product tensor written out, then summed (XLA's GPU backend, for the attention's output
+    # and the feed-forward's down projection), where it reads a transposed one's contiguous rows in
+    # one kernel. An f32 model's sampler then holds a copy of its matrices beside the params.
+    transposed_decoding: bool = False
     # XLA options for the programs that run these kernels (`jax.jit(compiler_options=...)`): the
     # backend's measured defaults, as (name, value) pairs.
     compiler_options: tuple[tuple[str, Any], ...] = ()

@@ -57,7 +57,7 @@ attention = xla.masks_by_xla(causal_attention, _portable_for_masks)
 # (docs/performance.md).
 KERNELS = dataclasses.replace(xla.KERNELS, name="gpu", attention=attention, head_loss=mean_head_loss,
                               weighted_head_loss=weighted_head_loss, scan_unroll=1 << 30,
-                              recompute_elementwise=False,
+                              recompute_elementwise=False, transposed_decoding=True,
                               mesh_attention=lambda mesh, axes: functools.partial(attention, mesh=mesh, axes=axes))
 
 

@@ -22,6 +22,7 @@ Cached passes (prefill into a cache, decoding) read the cache through `jaxgpt.mo
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from typing import Any, Callable
 
 import chex
@@ -51,12 +52,57 @@ def dense_init(cfg: ModelConfig, output: bool = False, hidden: bool = False) -> 
     return nn.initializers.normal(stddev=cfg.init_std / m**0.5 if hidden and m != 1 else cfg.init_std)
 
 
+class Dense(nn.Dense):
+    """`nn.Dense`; where the params hold `kernel_t` [features, in] in place of `kernel` (the
+    sampler's weights, `transposed_matrices`), the same product read from the transposed matrix."""
+
+    @nn.compact
+    def __call__(self, inputs: jax.Array) -> jax.Array:
+        if not self.has_variable("params", "kernel_t"):
+            return super().__call__(inputs)
+        kernel_t = self.get_variable("params", "kernel_t")
+        bias = self.get_variable("params", "bias") if self.use_bias else None
+        inputs, kernel_t, bias = self.promote_dtype(inputs, kernel_t, bias, dtype=self.dtype)
+        y = self.dot_general(inputs, kernel_t, (((inputs.ndim - 1,), (1,)), ((), ())), precision=self.precision)
+        return y if bias is None else y + jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
+
+
+# The `dense` layers of a block, by name: the matrices `transposed_matrices` lays out for decoding.
+DENSE_NAMES = frozenset({"qkv", "out", "up", "gate", "down"})
+
+
 def dense(cfg: ModelConfig, kernels: Kernels, features: int, name: str, output: bool = False) -> nn.Dense:
-    """`nn.Dense` (params `kernel` [in, features], `bias`) multiplying with the kernels' dot_general.
+    """`Dense` (params `kernel` [in, features], `bias`) multiplying with the kernels' dot_general.
     `output`: a projection back into the residual stream, zero at init under `model.zero_init`."""
-    return nn.Dense(features, use_bias=cfg.bias, dtype=activation_dtype(cfg, kernels),
-                    kernel_init=dense_init(cfg, output, hidden=True),
-                    dot_general=kernels.dot_general, name=name)
+    assert name in DENSE_NAMES, name
+    return Dense(features, use_bias=cfg.bias, dtype=activation_dtype(cfg, kernels),
+                 kernel_init=dense_init(cfg, output, hidden=True), dot_general=kernels.dot_general, name=name)
+
+
+def transposed_matrices(params: Any) -> Any:
+    """`params` with every `dense` layer's `kernel` [..., in, features] held as `kernel_t`
+    [..., features, in] (a `jax.ShapeDtypeStruct` keeps its sharding, its last two axes swapped):
+    a product with one token then reads each output's weights from one contiguous row."""
+    def swapped(leaf: Any) -> Any:
+        if not isinstance(leaf, jax.ShapeDtypeStruct):
+            return jnp.swapaxes(leaf, -1, -2)
+        shape = (*leaf.shape[:-2], leaf.shape[-1], leaf.shape[-2])
+        spec = getattr(leaf.sharding, "spec", None)
+        if spec is None:
+            return jax.ShapeDtypeStruct(shape, leaf.dtype, sharding=leaf.sharding)
+        axes = (*spec, *(None,) * (leaf.ndim - len(spec)))
+        spec = type(spec)(*axes[:-2], axes[-1], axes[-2])
+        return jax.ShapeDtypeStruct(shape, leaf.dtype, sharding=leaf.sharding.update(spec=spec))
+
+    def walk(tree: Any, name: str | None) -> Any:
+        if not isinstance(tree, Mapping):
+            return tree
+        if name in DENSE_NAMES and "kernel" in tree:
+            return {("kernel_t" if key == "kernel" else key): (swapped(leaf) if key == "kernel" else leaf)
+                    for key, leaf in tree.items()}
+        return {key: walk(value, key) for key, value in tree.items()}
+
+    return walk(params, None)
 
 
 def in_a_loop(cfg: ModelConfig, kernels: Kernels) -> bool:

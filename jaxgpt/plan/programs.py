@@ -202,7 +202,7 @@ def compile_decode(cfg: RunConfig, mesh: Mesh, hlo_dir: Path | None = None) -> d
     slide, with `jaxgpt generate`'s sampling defaults) for one prompt and the samples the training loop draws
     (`train.sample_tokens`), the params in their training shardings: the figures of the one that
     needs most (its `total_bytes` with `params_held_bytes`: the params as stored, of the leaves
-    the sampler casts, which stay alive beside the cast copies), and the custom calls of them all
+    the sampler casts or transposes, which stay alive beside the converted copies), and the custom calls of them all
     (the prefill's and the slide's attention kernel; the loop reads its cache with XLA's ops). `hlo_dir`: where to write their HLO text
     (`prefill.hlo.txt`, `decode.hlo.txt`, `slide.hlo.txt`)."""
     from jaxgpt.evaluation.generate import decoding_weights, lower_decoding
@@ -212,9 +212,13 @@ def compile_decode(cfg: RunConfig, mesh: Mesh, hlo_dir: Path | None = None) -> d
                              placed=sharding.replicated(mesh))
     records = {name: compile_lowered(program, params, hlo_path=_hlo_file(hlo_dir, DECODE_FILES[name]))
                for name, program in lowered.items()}
-    # The programs take the params as the sampler casts them; the params as stored stay alive beside.
-    cast = jax.tree_util.tree_leaves(decoding_weights(params, cfg.model).params)
-    held = sharding.bytes_per_device([p for p, c in zip(jax.tree_util.tree_leaves(params), cast) if p.dtype != c.dtype])
+    # The programs take the params as the sampler converts them (cast, or transposed: a leaf of
+    # another name); the params as stored stay alive beside.
+    read = {jax.tree_util.keystr(path): leaf
+            for path, leaf in jax.tree_util.tree_leaves_with_path(decoding_weights(params, cfg.model).params)}
+    held = sharding.bytes_per_device([
+        leaf for path, leaf in jax.tree_util.tree_leaves_with_path(params)
+        if jax.tree_util.keystr(path) not in read or read[jax.tree_util.keystr(path)].dtype != leaf.dtype])
     for record in records.values():
         if record.get("total_bytes") is not None:
             record.update(params_held_bytes=held, total_bytes=record["total_bytes"] + held)
