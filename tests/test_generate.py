@@ -327,10 +327,14 @@ def test_transposed_decoding_matrices_decode_the_same_greedy_tokens(cfg, monkeyp
                         lambda *args, **kwargs: read.append(real_weights(*args, **kwargs)) or read[-1])
     got = [generate(params_for(cfg), cfg, prompts, n, speculative=speculative, **GREEDY)
            for speculative in (False, True)]
-    names = {jax.tree_util.keystr(path): leaf.shape for path, leaf in jax.tree_util.tree_leaves_with_path(read[0].params)}
-    down, C = names["['blocks']['feed_forward']['down']['kernel_t']"], cfg.d_model
+    plain, drafting = ({jax.tree_util.keystr(path): leaf.shape for path, leaf in jax.tree_util.tree_leaves_with_path(
+        weights.params)} for weights in read)
+    down, C = plain["['blocks']['feed_forward']['down']['kernel_t']"], cfg.d_model
     assert down == (cfg.n_layers, C, cfg.hidden_size) and not any(name.endswith("['kernel']") and "blocks" in name
-                                                                   for name in names)
+                                                                   for name in plain)
+    # Plain decoding never reads the adapters: their matrices keep their layout; drafting reads them transposed.
+    assert any(name.startswith("['mtp_0']") and name.endswith("['kernel']") for name in plain)
+    assert not any(name.startswith("['mtp_0']") and name.endswith("['kernel']") for name in drafting)
     assert got == expected and len(set(expected[0][1])) > 5
 
 
@@ -350,6 +354,11 @@ def test_top_k_and_top_p_over_slices_of_a_large_vocabulary_draw_as_a_full_sort(t
         key = jax.random.key(seed)
         options = dict(temperature=1.0, top_k=top_k, top_p=top_p)
         np.testing.assert_array_equal(sample_logits(logits, key, **options), sorted_reference(logits, key, top_k, top_p))
+
+
+def leaf_at(weights, name: str):
+    """The leaf of the sampler's weights at `name` (a `jax.tree_util.keystr` path)."""
+    return dict((jax.tree_util.keystr(path), leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(weights.params))[name]
 
 
 @pytest.mark.parametrize("cfg", [dataclasses.replace(LEARNED, dtype="bfloat16"),
@@ -381,6 +390,15 @@ def test_decoding_weights_are_cast_once_and_decode_the_same_logits(cfg):
     want = forward_cached(params, cfg, tokens, cached, kernels=PORTABLE)[0]
     got = forward_cached(weights.params, cfg, tokens, cached, kernels=PORTABLE, tied_head=weights.tied_head)[0]
     np.testing.assert_array_equal(got, want)
+    # Transposed for a set that reads its matrices so: each cast and transposed in one conversion.
+    transposing = dataclasses.replace(PORTABLE, transposed_decoding=True)
+    laid_out = generate_module.decoding_weights(params, cfg, kernels=transposing)
+    found = {jax.tree_util.keystr(path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(laid_out.params)}
+    down = found["['blocks']['feed_forward']['down']['kernel_t']"]
+    assert down.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(down, jnp.swapaxes(leaf_at(weights, "['blocks']['feed_forward']['down']['kernel']"), 1, 2))
+    got = forward_cached(laid_out.params, cfg, tokens, cached, kernels=transposing, tied_head=laid_out.tied_head)[0]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     cpu = choose_kernels(cfg)
     assert cpu.float32_activations  # this machine's set: its dense layers promote to float32
     kept = generate_module.decoding_weights(params, cfg, kernels=cpu).params

@@ -184,8 +184,13 @@ def decoding_weights(params: Params, cfg: ModelConfig, draft: int = 0, document_
     head = cast_leaf(table, dtype) if cfg.tie_embeddings and table.dtype != dtype else None
     shapes = tuple((leaf.shape, np.dtype(leaf.dtype).name) for leaf in leaves)
     targets = _read_targets(cfg, kernels, draft, document_token, tree, shapes, head is not None)
-    cast = tree.unflatten([cast_leaf(leaf, target) for leaf, target in zip(leaves, targets)])
-    return Weights(transposed_matrices(cast) if kernels.transposed_decoding else cast, head)
+    if not kernels.transposed_decoding:
+        return Weights(tree.unflatten([cast_leaf(leaf, target) for leaf, target in zip(leaves, targets)]), head)
+    target_of = {jax.tree_util.keystr(path): target
+                 for (path, _), target in zip(jax.tree_util.tree_leaves_with_path(params), targets)}
+    unread = () if draft else tuple(f"mtp_{d}" for d in range(cfg.mtp_depth))  # plain decoding drafts nothing
+    return Weights(transposed_matrices(params, lambda path, leaf: cast_leaf(leaf, target_of[jax.tree_util.keystr(path)]),
+                                       keep=unread), head)
 
 
 @functools.lru_cache(maxsize=32)

@@ -33,7 +33,8 @@ def softcap(logits: jax.Array, cap: float) -> jax.Array:
 @dataclass(frozen=True)
 class Kernels:
     name: str
-    # `nn.Dense`'s dot_general: [..., C] x [C, F] with its dimension numbers, as `lax.dot_general`.
+    # `nn.Dense`'s dot_general: [..., C] x [C, F] with its dimension numbers, as `lax.dot_general`
+    # (and [..., C] x [F, C] contracting C in a set with `transposed_decoding`).
     dot_general: Callable[..., Any]
     # Causal self-attention without a cache: (q_BTHD, k_BTKD, v_BTKD, *, train, remat, segment_ids,
     # window) -> out_BTHD. `train`: the pass will be differentiated; `remat`: its backward recomputes
@@ -79,7 +80,8 @@ class Kernels:
     # loop): for backends whose compiler computes a one-token product with a [in, features] matrix
     # as a product tensor written out, then summed (XLA's GPU backend, for the attention's output
     # and the feed-forward's down projection), where it reads a transposed one's contiguous rows in
-    # one kernel. An f32 model's sampler then holds a copy of its matrices beside the params.
+    # one kernel. An f32 model's sampler then holds a copy of its matrices beside the params. Its
+    # `dot_general` takes the transposed matrix too (`lax.dot_general` does; the CPU sets' do not).
     transposed_decoding: bool = False
     # XLA options for the programs that run these kernels (`jax.jit(compiler_options=...)`): the
     # backend's measured defaults, as (name, value) pairs.

@@ -79,10 +79,13 @@ def dense(cfg: ModelConfig, kernels: Kernels, features: int, name: str, output: 
                  kernel_init=dense_init(cfg, output, hidden=True), dot_general=kernels.dot_general, name=name)
 
 
-def transposed_matrices(params: Any) -> Any:
+def transposed_matrices(params: Any, convert: Callable[[Any, Any], Any] | None = None, keep: tuple[str, ...] = ()) -> Any:
     """`params` with every `dense` layer's `kernel` [..., in, features] held as `kernel_t`
     [..., features, in] (a `jax.ShapeDtypeStruct` keeps its sharding, its last two axes swapped):
-    a product with one token then reads each output's weights from one contiguous row."""
+    a product with one token then reads each output's weights from one contiguous row.
+    `convert(path, leaf)` first converts each leaf (a dtype cast), one leaf at a time, so that no
+    second converted tree is ever alive; the top-level entries named in `keep` (matrices the pass
+    does not read) are converted but keep their layout."""
     def swapped(leaf: Any) -> Any:
         if not isinstance(leaf, jax.ShapeDtypeStruct):
             return jnp.swapaxes(leaf, -1, -2)
@@ -94,15 +97,20 @@ def transposed_matrices(params: Any) -> Any:
         spec = type(spec)(*axes[:-2], axes[-1], axes[-2])
         return jax.ShapeDtypeStruct(shape, leaf.dtype, sharding=leaf.sharding.update(spec=spec))
 
-    def walk(tree: Any, name: str | None) -> Any:
+    def is_matrix(names: tuple[str, ...]) -> bool:
+        return len(names) >= 2 and names[-1] == "kernel" and names[-2] in DENSE_NAMES and names[0] not in keep
+
+    def laid_out(path: Any, leaf: Any) -> Any:
+        leaf = leaf if convert is None else convert(path, leaf)
+        return swapped(leaf) if is_matrix(tuple(str(getattr(k, "key", k)) for k in path)) else leaf
+
+    def renamed(tree: Any, names: tuple[str, ...]) -> Any:
         if not isinstance(tree, Mapping):
             return tree
-        if name in DENSE_NAMES and "kernel" in tree:
-            return {("kernel_t" if key == "kernel" else key): (swapped(leaf) if key == "kernel" else leaf)
-                    for key, leaf in tree.items()}
-        return {key: walk(value, key) for key, value in tree.items()}
+        return {(f"{key}_t" if is_matrix((*names, key)) else key): renamed(value, (*names, key))
+                for key, value in tree.items()}
 
-    return walk(params, None)
+    return renamed(jax.tree_util.tree_map_with_path(laid_out, params), ())
 
 
 def in_a_loop(cfg: ModelConfig, kernels: Kernels) -> bool:
