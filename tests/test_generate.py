@@ -17,6 +17,7 @@ from jaxgpt.evaluation import generate as generate_module
 from jaxgpt.evaluation.generate import FINISHED, bucket_length, generate, generate_tokens, sample_logits, slide_length
 from jaxgpt.kernels import choose_kernels
 from jaxgpt.model.decoder import forward, init_params
+from jaxgpt.train.state_layout import leaf_names
 from jaxgpt.train.step import compile_steps, init_state
 
 # init_std 0.3 sharpens the random model's logits, so greedy choices are far from float ties and
@@ -327,14 +328,13 @@ def test_transposed_decoding_matrices_decode_the_same_greedy_tokens(cfg, monkeyp
                         lambda *args, **kwargs: read.append(real_weights(*args, **kwargs)) or read[-1])
     got = [generate(params_for(cfg), cfg, prompts, n, speculative=speculative, **GREEDY)
            for speculative in (False, True)]
-    plain, drafting = ({jax.tree_util.keystr(path): leaf.shape for path, leaf in jax.tree_util.tree_leaves_with_path(
-        weights.params)} for weights in read)
-    down, C = plain["['blocks']['feed_forward']['down']['kernel_t']"], cfg.d_model
-    assert down == (cfg.n_layers, C, cfg.hidden_size) and not any(name.endswith("['kernel']") and "blocks" in name
+    plain, drafting = (dict(leaf_names(weights.params)) for weights in read)
+    down, C = plain["blocks.feed_forward.down.kernel_t"].shape, cfg.d_model
+    assert down == (cfg.n_layers, C, cfg.hidden_size) and not any(name.endswith(".kernel") and "blocks" in name
                                                                    for name in plain)
     # Plain decoding never reads the adapters: their matrices keep their layout; drafting reads them transposed.
-    assert any(name.startswith("['mtp_0']") and name.endswith("['kernel']") for name in plain)
-    assert not any(name.startswith("['mtp_0']") and name.endswith("['kernel']") for name in drafting)
+    assert any(name.startswith("mtp_0.") and name.endswith(".kernel") for name in plain)
+    assert not any(name.startswith("mtp_0.") and name.endswith(".kernel") for name in drafting)
     assert got == expected and len(set(expected[0][1])) > 5
 
 
@@ -356,11 +356,6 @@ def test_top_k_and_top_p_over_slices_of_a_large_vocabulary_draw_as_a_full_sort(t
         np.testing.assert_array_equal(sample_logits(logits, key, **options), sorted_reference(logits, key, top_k, top_p))
 
 
-def leaf_at(weights, name: str):
-    """The leaf of the sampler's weights at `name` (a `jax.tree_util.keystr` path)."""
-    return dict((jax.tree_util.keystr(path), leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(weights.params))[name]
-
-
 @pytest.mark.parametrize("cfg", [dataclasses.replace(LEARNED, dtype="bfloat16"),
                                  dataclasses.replace(ROPE_GQA, dtype="bfloat16", tie_embeddings=False)],
                          ids=["tied", "untied"])
@@ -376,15 +371,15 @@ def test_decoding_weights_are_cast_once_and_decode_the_same_logits(cfg):
 
     params = params_for(cfg)
     weights = generate_module.decoding_weights(params, cfg, kernels=PORTABLE)
-    dtypes = {jax.tree_util.keystr(path): leaf.dtype for path, leaf in jax.tree_util.tree_leaves_with_path(weights.params)}
-    assert dtypes["['blocks']['attention']['qkv']['kernel']"] == dtypes["['blocks']['feed_forward']['down']['kernel']"] \
-        == jnp.bfloat16
-    assert dtypes["['blocks']['attention_norm']['scale']"] == dtypes["['token_embedding']['embedding']"] == jnp.float32
+    cast = dict(leaf_names(weights.params))
+    dtypes = {name: leaf.dtype for name, leaf in cast.items()}
+    assert dtypes["blocks.attention.qkv.kernel"] == dtypes["blocks.feed_forward.down.kernel"] == jnp.bfloat16
+    assert dtypes["blocks.attention_norm.scale"] == dtypes["token_embedding.embedding"] == jnp.float32
     assert (weights.tied_head is not None) == cfg.tie_embeddings
     if cfg.tie_embeddings:
         assert weights.tied_head.dtype == jnp.bfloat16
     else:
-        assert dtypes["['lm_head']['kernel']"] == jnp.bfloat16
+        assert dtypes["lm_head.kernel"] == jnp.bfloat16
     tokens = jnp.array([[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]])
     cached = init_cache(cfg, 2, 16)
     want = forward_cached(params, cfg, tokens, cached, kernels=PORTABLE)[0]
@@ -393,10 +388,9 @@ def test_decoding_weights_are_cast_once_and_decode_the_same_logits(cfg):
     # Transposed for a set that reads its matrices so: each cast and transposed in one conversion.
     transposing = dataclasses.replace(PORTABLE, transposed_decoding=True)
     laid_out = generate_module.decoding_weights(params, cfg, kernels=transposing)
-    found = {jax.tree_util.keystr(path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(laid_out.params)}
-    down = found["['blocks']['feed_forward']['down']['kernel_t']"]
+    down = dict(leaf_names(laid_out.params))["blocks.feed_forward.down.kernel_t"]
     assert down.dtype == jnp.bfloat16
-    np.testing.assert_array_equal(down, jnp.swapaxes(leaf_at(weights, "['blocks']['feed_forward']['down']['kernel']"), 1, 2))
+    np.testing.assert_array_equal(down, jnp.swapaxes(cast["blocks.feed_forward.down.kernel"], 1, 2))
     got = forward_cached(laid_out.params, cfg, tokens, cached, kernels=transposing, tied_head=laid_out.tied_head)[0]
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     cpu = choose_kernels(cfg)

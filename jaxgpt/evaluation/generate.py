@@ -186,11 +186,8 @@ def decoding_weights(params: Params, cfg: ModelConfig, draft: int = 0, document_
     targets = _read_targets(cfg, kernels, draft, document_token, tree, shapes, head is not None)
     if not kernels.transposed_decoding:
         return Weights(tree.unflatten([cast_leaf(leaf, target) for leaf, target in zip(leaves, targets)]), head)
-    target_of = {jax.tree_util.keystr(path): target
-                 for (path, _), target in zip(jax.tree_util.tree_leaves_with_path(params), targets)}
     unread = () if draft else tuple(f"mtp_{d}" for d in range(cfg.mtp_depth))  # plain decoding drafts nothing
-    return Weights(transposed_matrices(params, lambda path, leaf: cast_leaf(leaf, target_of[jax.tree_util.keystr(path)]),
-                                       keep=unread), head)
+    return Weights(transposed_matrices(params, lambda i, leaf: cast_leaf(leaf, targets[i]), keep=unread), head)
 
 
 @functools.lru_cache(maxsize=32)

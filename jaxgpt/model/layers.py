@@ -79,11 +79,12 @@ def dense(cfg: ModelConfig, kernels: Kernels, features: int, name: str, output: 
                  kernel_init=dense_init(cfg, output, hidden=True), dot_general=kernels.dot_general, name=name)
 
 
-def transposed_matrices(params: Any, convert: Callable[[Any, Any], Any] | None = None, keep: tuple[str, ...] = ()) -> Any:
+def transposed_matrices(params: Any, convert: Callable[[int, Any], Any] | None = None, keep: tuple[str, ...] = ()) -> Any:
     """`params` with every `dense` layer's `kernel` [..., in, features] held as `kernel_t`
     [..., features, in] (a `jax.ShapeDtypeStruct` keeps its sharding, its last two axes swapped):
     a product with one token then reads each output's weights from one contiguous row.
-    `convert(path, leaf)` first converts each leaf (a dtype cast), one leaf at a time, so that no
+    `convert(i, leaf)` first converts each leaf (a dtype cast; `i`: its place in the flattened
+    tree), one leaf at a time, so that no
     second converted tree is ever alive; the top-level entries named in `keep` (matrices the pass
     does not read) are converted but keep their layout."""
     def swapped(leaf: Any) -> Any:
@@ -100,8 +101,8 @@ def transposed_matrices(params: Any, convert: Callable[[Any, Any], Any] | None =
     def is_matrix(names: tuple[str, ...]) -> bool:
         return len(names) >= 2 and names[-1] == "kernel" and names[-2] in DENSE_NAMES and names[0] not in keep
 
-    def laid_out(path: Any, leaf: Any) -> Any:
-        leaf = leaf if convert is None else convert(path, leaf)
+    def laid_out(i: int, path: Any, leaf: Any) -> Any:
+        leaf = leaf if convert is None else convert(i, leaf)
         return swapped(leaf) if is_matrix(tuple(str(getattr(k, "key", k)) for k in path)) else leaf
 
     def renamed(tree: Any, names: tuple[str, ...]) -> Any:
@@ -110,7 +111,8 @@ def transposed_matrices(params: Any, convert: Callable[[Any, Any], Any] | None =
         return {(f"{key}_t" if is_matrix((*names, key)) else key): renamed(value, (*names, key))
                 for key, value in tree.items()}
 
-    return renamed(jax.tree_util.tree_map_with_path(laid_out, params), ())
+    flat, tree = jax.tree_util.tree_flatten_with_path(params)
+    return renamed(tree.unflatten([laid_out(i, path, leaf) for i, (path, leaf) in enumerate(flat)]), ())
 
 
 def in_a_loop(cfg: ModelConfig, kernels: Kernels) -> bool:

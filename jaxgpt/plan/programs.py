@@ -31,6 +31,7 @@ from jaxgpt.config import RunConfig
 from jaxgpt.kernels.base import Kernels
 from jaxgpt.train import sharding
 from jaxgpt.train.optim import OptHParams
+from jaxgpt.train.state_layout import leaf_names
 from jaxgpt.train.step import TrainState, batch_width
 from jaxgpt.train.sweep_mesh import GroupPrograms, group_mesh, layout_for
 
@@ -214,11 +215,9 @@ def compile_decode(cfg: RunConfig, mesh: Mesh, hlo_dir: Path | None = None) -> d
                for name, program in lowered.items()}
     # The programs take the params as the sampler converts them (cast, or transposed: a leaf of
     # another name); the params as stored stay alive beside.
-    read = {jax.tree_util.keystr(path): leaf
-            for path, leaf in jax.tree_util.tree_leaves_with_path(decoding_weights(params, cfg.model).params)}
-    held = sharding.bytes_per_device([
-        leaf for path, leaf in jax.tree_util.tree_leaves_with_path(params)
-        if jax.tree_util.keystr(path) not in read or read[jax.tree_util.keystr(path)].dtype != leaf.dtype])
+    read = dict(leaf_names(decoding_weights(params, cfg.model).params))
+    held = sharding.bytes_per_device([leaf for name, leaf in leaf_names(params)
+                                      if name not in read or read[name].dtype != leaf.dtype])
     for record in records.values():
         if record.get("total_bytes") is not None:
             record.update(params_held_bytes=held, total_bytes=record["total_bytes"] + held)
