@@ -16,6 +16,8 @@ from jaxgpt.data import window_length
 from jaxgpt.evaluation import generate as generate_module
 from jaxgpt.evaluation.generate import FINISHED, bucket_length, generate, generate_tokens, sample_logits, slide_length
 from jaxgpt.kernels import choose_kernels
+from jaxgpt.kernels import gpu as gpu_kernels
+from jaxgpt.model import layers as layers_module
 from jaxgpt.model.decoder import forward, init_params
 from jaxgpt.train.state_layout import leaf_names
 from jaxgpt.train.step import compile_steps, init_state
@@ -308,24 +310,42 @@ def sorted_reference(logits_BV, rng, top_k, top_p):
 
 
 # A cache of every layout: the whole context (the speedrun block: swiglu's gate, value gates), a ring
-# (every block windowed) and a long-short model's, each with drafts from its MTP adapters.
-RING = dataclasses.replace(MTP_ROPE, attention_window=6)
-LONG_SHORT = dataclasses.replace(MTP_ROPE, n_layers=3, attention_window=6, window_pattern="SSL")
+# (every block windowed) and a long-short model's (both LayerNorm), each with drafts from its MTP adapters.
+RING = dataclasses.replace(MTP_ROPE, attention_window=6, norm="layernorm")
+LONG_SHORT = dataclasses.replace(MTP_ROPE, n_layers=3, attention_window=6, window_pattern="SSL", norm="layernorm")
 
 
-@pytest.mark.parametrize("cfg", [SPEEDRUN_BLOCK, RING, LONG_SHORT], ids=["whole", "ring", "long-short"])
-def test_transposed_decoding_matrices_decode_the_same_greedy_tokens(cfg, monkeypatch):
-    """Kernels that read the blocks' matrices transposed (the GPU set's `transposed_decoding`) get
-    every dense layer's kernel as `kernel_t` [features, in], and decode, plainly and
-    speculatively, across slides, what the matrices as trained decode."""
+@pytest.mark.parametrize("cfg, runs", [(SPEEDRUN_BLOCK, {"written_attention"}),  # RMSNorm
+                                       (RING, {"written_attention", "one_pass_layer_norm"}),
+                                       (LONG_SHORT, {"written_attention", "one_pass_layer_norm"})],
+                         ids=["whole", "ring", "long-short"])
+def test_the_gpu_sets_decoding_kernels_decode_the_same_greedy_tokens(cfg, runs, monkeypatch):
+    """The GPU set's decoding kernels (transposed matrices, the cache written before it is read,
+    one-pass LayerNorm) get every dense layer's kernel as `kernel_t` [features, in], run what
+    applies to the model (`runs`), and decode, plainly and speculatively (rejected drafts in a
+    ring), across slides, what this machine's kernels decode."""
     prompts, n = [prompt(5, 7), prompt(20, 8)], 50
     expected = [generate(params_for(cfg), cfg, prompts, n, speculative=speculative, **GREEDY)
                 for speculative in (False, True)]
+    gpu = {name: getattr(gpu_kernels.KERNELS.for_decoding(), name)
+           for name in ("transposed_decoding", "cache_written_first", "one_pass_layer_norm")}
+    # The set's own passes (train, eval, the harness's scoring) keep the two-pass norm and the
+    # cache read before it is written.
+    assert all(gpu.values()) and not (gpu_kernels.KERNELS.cache_written_first or gpu_kernels.KERNELS.one_pass_layer_norm)
     real_kernels, real_weights, read = generate_module._kernels, generate_module.decoding_weights, []
-    monkeypatch.setattr(generate_module, "_kernels", lambda cfg, mesh: dataclasses.replace(
-        real_kernels(cfg, mesh), transposed_decoding=True))
+    monkeypatch.setattr(generate_module, "_kernels", lambda cfg, mesh: dataclasses.replace(real_kernels(cfg, mesh), **gpu))
     monkeypatch.setattr(generate_module, "decoding_weights",
                         lambda *args, **kwargs: read.append(real_weights(*args, **kwargs)) or read[-1])
+    ran, written = set(), set()  # what ran; the lengths of the passes that wrote the cache first
+
+    def spy(name, real, *args):
+        ran.add(name)
+        if name == "written_attention":
+            written.add(args[0].shape[1])
+        return real(*args)
+
+    for name in ("written_attention", "one_pass_layer_norm"):
+        monkeypatch.setattr(layers_module, name, functools.partial(spy, name, getattr(layers_module, name)))
     got = [generate(params_for(cfg), cfg, prompts, n, speculative=speculative, **GREEDY)
            for speculative in (False, True)]
     plain, drafting = (dict(leaf_names(weights.params)) for weights in read)
@@ -335,7 +355,8 @@ def test_transposed_decoding_matrices_decode_the_same_greedy_tokens(cfg, monkeyp
     # Plain decoding never reads the adapters: their matrices keep their layout; drafting reads them transposed.
     assert any(name.startswith("mtp_0.") and name.endswith(".kernel") for name in plain)
     assert not any(name.startswith("mtp_0.") and name.endswith(".kernel") for name in drafting)
-    assert got == expected and len(set(expected[0][1])) > 5
+    assert got == expected and len(set(expected[0][1])) > 5 and ran == runs
+    assert {1, 1 + cfg.mtp_depth} <= written  # a token, and a speculative block of it and its drafts
 
 
 @pytest.mark.parametrize("top_k, top_p", [(40, None), (40, 0.9), (3000, 0.5), (None, 0.9), (1, 0.5)])

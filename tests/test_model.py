@@ -271,6 +271,20 @@ def test_layernorm_has_the_seed_properties():
     np.testing.assert_array_equal(np.argsort(y, -1), np.argsort(np.asarray(x), -1))
 
 
+def test_one_pass_layernorm_equals_the_definition_far_from_zero():
+    """LayerNorm(one_pass=True), the GPU set's decoding norm: both statistics from one pass, equal
+    to float64's two-pass definition where a plain E[x^2] - E[x]^2 in float32 cancels (a mean 1,000
+    deviations from 0), and where the feature it shifts by is itself 25 deviations out."""
+    x = np.asarray(jax.random.normal(jax.random.key(0), (3, 768)), np.float64)
+    x[0] += 1000.0
+    x[1, 0] = 25.0
+    x[2] = x[2] * 40 - 7
+    centred = x - x.mean(-1, keepdims=True)
+    want = centred / np.sqrt((centred**2).mean(-1, keepdims=True) + 1e-5)
+    got = apply_norm(LayerNorm(eps=1e-5, one_pass=True), jnp.asarray(x, jnp.float32))
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=2e-4)
+
+
 def test_rmsnorm_drops_only_the_mean():
     x = jax.random.normal(jax.random.key(0), (4, 64)) + 1.5
     y = np.asarray(apply_norm(RMSNorm(eps=1e-6), x))

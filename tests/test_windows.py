@@ -14,6 +14,7 @@ from jaxgpt.errors import UserError
 from jaxgpt.evaluation import generate as generate_module
 from jaxgpt.evaluation.generate import generate, lower_decoding
 from jaxgpt.kernels import PORTABLE, choose_kernels
+from jaxgpt.model import layers as layers_module
 from jaxgpt.model.cache import init_cache
 from jaxgpt.model.decoder import forward, forward_cached, init_params
 from jaxgpt.model.shortcuts import window_plan
@@ -193,3 +194,57 @@ def test_export_hf_refuses_a_windowed_model_in_one_line(tmp_path):
     with pytest.raises(UserError, match=r"^cannot export to Hugging Face: model.attention_window = 8 \(Hugging Face"):
         _check_exportable(cfg)
     assert _check_exportable(dataclasses.replace(cfg, attention_window=0)) == "gpt2"
+
+
+WRITTEN_FIRST = dataclasses.replace(PORTABLE, cache_written_first=True)
+EOT = 63
+
+
+@pytest.mark.parametrize("case, slots, documents, written_first", [
+    ("whole", 24, False, {1, 3, 4}), ("unscanned", 24, True, {1, 3, 4}), ("ring", 6, True, {1, 3}),
+    ("ring", 4, False, {1}), ("long-short", 6, False, {1, 3})])
+def test_blocks_that_write_the_cache_before_reading_it_decode_as_the_forward_pass(case, slots, documents, written_first,
+                                                                                  monkeypatch):
+    """Kernels.cache_written_first (the GPU set's sampler's): each block writes its new keys and
+    values into the stack of caches it carries, then reads its row alone. A prefill then blocks of
+    1, 3 and 4 tokens, one of them with its last two taken back (a speculative block's rejected
+    drafts, where the cache has the draft's slots), give the forward pass's logits and the cache
+    the blocks write after reading it. A ring takes the write first only for blocks no longer
+    than its slots beyond the window, plus one (`written_first`, the blocks' lengths): a longer
+    one would write over keys its first queries read, so its blocks write after; a long-short
+    model writes each block's keys into its own kind's stack."""
+    windows = {"whole": [*[o for o in SPEEDRUN if o.startswith("model.")], "model.attention_window=5",
+                         "model.window_pattern=SL"],
+               "unscanned": ["model.position=rope", "model.kv_heads=2", "model.scan_layers=false", "model.n_layers=2"],
+               "ring": ["model.position=rope", "model.n_layers=2", "model.attention_window=4"],
+               "long-short": ["model.position=rope", "model.n_layers=3", "model.attention_window=4",
+                              "model.window_pattern=SSL"]}
+    cfg, params = model(*windows[case])
+    tokens = jax.random.randint(jax.random.key(4), (2, 20), 0, EOT)
+    options, segments = {}, None
+    if documents:  # none among the tokens taken back, so the floor after them stands
+        tokens = tokens.at[0, 3].set(EOT).at[0, 11].set(EOT).at[1, 12].set(EOT).at[1, 13].set(EOT)
+        options, segments = {"document_token": EOT}, jnp.cumsum(tokens == EOT, axis=1)
+    want = forward(params, cfg, tokens, segment_ids=segments)
+    taken_back = 2 if case in ("whole", "unscanned") or slots - cfg.attention_window >= 2 else 0
+    passes = []
+    real_read = layers_module.written_attention
+    monkeypatch.setattr(layers_module, "written_attention", lambda q, *args: passes.append(q.shape[1]) or real_read(q, *args))
+    caches = {}
+    for name, kernels in (("after", PORTABLE), ("first", WRITTEN_FIRST)):
+        empty = (init_cache(cfg, 2, 24, window_slots=slots) if case == "long-short" else
+                 init_cache(cfg, 2, slots, ring=case == "ring", documents=documents))
+        got, cache = forward_cached(params, cfg, tokens[:, :9], empty, fresh=True, kernels=kernels, **options)
+        pieces, at = [got], 9
+        step = jax.jit(lambda tokens, cache: forward_cached(params, cfg, tokens, cache, kernels=kernels, **options))
+        for T, back in ((1, 0), (4, 0), (3, taken_back), (3, 0), (1, 0), (1, 0)):  # a ring of 4 or 6 wraps
+            if at < tokens.shape[1]:
+                logits, cache = step(tokens[:, at:at + T], cache)
+                pieces.append(logits[:, :T - back])
+                cache, at = {**cache, "index": cache["index"] - back}, at + T - back
+        np.testing.assert_allclose(jnp.concatenate(pieces, axis=1), want, rtol=0, atol=2e-5)
+        caches[name] = cache
+    assert set(passes) == written_first
+    assert jax.tree_util.tree_structure(caches["first"]) == jax.tree_util.tree_structure(caches["after"])
+    jax.tree_util.tree_map_with_path(lambda path, first, after: np.testing.assert_allclose(
+        first, after, rtol=0, atol=2e-5, err_msg=jax.tree_util.keystr(path)), caches["first"], caches["after"])

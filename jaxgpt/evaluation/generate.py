@@ -156,9 +156,10 @@ def params_mesh(params: Params) -> Any:
 
 
 def _kernels(cfg: ModelConfig, mesh: Any) -> Any:
-    """The sampler's kernels. On a mesh of several devices every device attends over all of the
-    sampler's few rows: XLA's partitioner cannot split a Pallas kernel (nor cuDNN's, under FSDP)."""
-    kernels = choose_kernels(cfg)
+    """The sampler's kernels (the set's `for_decoding`). On a mesh of several devices every device
+    attends over all of the sampler's few rows: XLA's partitioner cannot split a Pallas kernel (nor
+    cuDNN's, under FSDP)."""
+    kernels = choose_kernels(cfg).for_decoding()
     return kernels if mesh is None else kernels.on_mesh(mesh, batch_axes=())
 
 

@@ -83,6 +83,25 @@ class Kernels:
     # one kernel. An f32 model's sampler then holds a copy of its matrices beside the params. Its
     # `dot_general` takes the transposed matrix too (`lax.dot_general` does; the CPU sets' do not).
     transposed_decoding: bool = False
+    # Whether a cached pass has each block write its new keys and values into the cache before it
+    # reads it (`jaxgpt.model.cache.writes_first`: the cache carried through the block stack,
+    # written in place, read by one softmax), not read the cache and its new keys apart and write
+    # every layer's after the stack: for backends that launch a kernel an op, where the two-part
+    # read and the stacked new keys cost a token's decoding several launches a layer. The cache
+    # must hold every position a pass brings (a key written past its end is dropped): the
+    # sampler's does, so a set asks for it in its `decoding` options, not for every cached pass
+    # (the harness's scoring brings more tokens than its cache holds past a prefix).
+    cache_written_first: bool = False
+    # Whether LayerNorm takes its mean and variance from one pass over the features
+    # (`jaxgpt.model.layers.one_pass_layer_norm`): one reduction where XLA's GPU backend launches
+    # one for the mean and one for the variance after it. Its values are within float32's
+    # rounding of the two passes', not equal to them, so a set asks for it in its `decoding`
+    # options alone: trained and evaluated models keep the norm they were trained with, and a
+    # decoded token runs two kernels fewer a block.
+    one_pass_layer_norm: bool = False
+    # What the sampler's programs (prefill, decoding, the slide) change of this set (`for_decoding`),
+    # as (field, value) pairs.
+    decoding: tuple[tuple[str, Any], ...] = ()
     # XLA options for the programs that run these kernels (`jax.jit(compiler_options=...)`): the
     # backend's measured defaults, as (name, value) pairs.
     compiler_options: tuple[tuple[str, Any], ...] = ()
@@ -91,6 +110,10 @@ class Kernels:
     # For kernels XLA cannot partition (Pallas), which must run per device inside `shard_map`.
     # None: `attention` as it is, partitioned by XLA.
     mesh_attention: Callable[[Any, tuple[str, ...]], Callable[..., Any]] | None = None
+
+    def for_decoding(self) -> Kernels:
+        """The set the sampler runs: this one with its `decoding` options."""
+        return dataclasses.replace(self, **dict(self.decoding))
 
     def jit_options(self) -> dict[str, Any] | None:
         """`compiler_options` as `jax.jit` takes them."""

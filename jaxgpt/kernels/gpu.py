@@ -58,6 +58,7 @@ attention = xla.masks_by_xla(causal_attention, _portable_for_masks)
 KERNELS = dataclasses.replace(xla.KERNELS, name="gpu", attention=attention, head_loss=mean_head_loss,
                               weighted_head_loss=weighted_head_loss, scan_unroll=1 << 30,
                               recompute_elementwise=False, transposed_decoding=True,
+                              decoding=(("cache_written_first", True), ("one_pass_layer_norm", True)),
                               mesh_attention=lambda mesh, axes: functools.partial(attention, mesh=mesh, axes=axes))
 
 

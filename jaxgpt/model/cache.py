@@ -311,7 +311,105 @@ def write_ring(cache: KV, new: KV, index_B: jax.Array, slot_positions_BR: jax.Ar
 
     cache = (jax.vmap(write_k, in_axes=(1, 1, 0), out_axes=1)(cache[0], new[0], slots_BK),
              jax.vmap(write_v, in_axes=(1, 1, 0), out_axes=1)(cache[1], new[1], slots_BK))
-    return cache, jax.vmap(lambda held, slots, positions: held.at[slots].set(positions))(
-        slot_positions_BR, slots_BK, positions_BK)
+    return cache, ring_held(slot_positions_BR, index_B, T)
 
 
+def ring_held(slot_positions_BR: jax.Array, index_B: jax.Array, T: int) -> jax.Array:
+    """[B, R]: the position each ring slot holds once T new tokens from each row's index are
+    written (`write_ring`)."""
+    positions_BK = ring_positions(index_B, T, slot_positions_BR.shape[1])
+    slots_BK = positions_BK % slot_positions_BR.shape[1]
+    return jax.vmap(lambda held, slots, positions: held.at[slots].set(positions))(slot_positions_BR, slots_BK, positions_BK)
+
+
+class CacheStack(NamedTuple):
+    """Every layer's cache carried through the block stack, for a pass in which each block writes
+    its new keys and values into its own row before it reads the row (`writes_first`): keys
+    [L, B, K, S, D], values [L, B, K, D, S], and `layer`, the block at work's row; a long-short
+    model's whole-context blocks' stack here and its windowed blocks' rings in `ring` (as in
+    `LayerCaches`: `layer` is then the row in the block's own kind's stack)."""
+
+    k: jax.Array
+    v: jax.Array
+    layer: jax.Array | None = None
+    ring: KV | None = None
+
+
+# What a block reads of the cache: its own keys and values, a long-short model's stacks, or the
+# stack it writes first.
+BlockCache = KV | LayerCaches | CacheStack
+
+
+def writes_first(cfg: ModelConfig, cache: Cache, T: int) -> bool:
+    """Whether a cached pass of T new tokens may have each block write them into its cache before
+    it reads it (one softmax over the cache alone, the cache carried through the stack and written
+    in place, `Kernels.cache_written_first`): a linear cache, which must hold index + T positions
+    (`write_rows` drops a key past its end); a ring of R slots where T <= R - window + 1, so that
+    no slot a query of the pass reads is written over (the first query's own slot held position
+    index - R, outside its window): T = 1, or a speculative block in `ring_cache_length(cfg,
+    draft)` or a long-short model's rings as wide (`layered_cache_slots`)."""
+    ring = cache.get("ring", cache if "slot_positions" in cache else None)
+    return ring is None or T <= positions(ring) - cfg.attention_window + 1
+
+
+def write_layer(stack: CacheStack, new: KV, place: CachePlace, window: jax.Array | None = None) -> CacheStack:
+    """`stack` with each sequence's T new keys and values ([B, T, K, D] each) written into the row
+    of `stack.layer`: from the place's index on, or in a ring (`place.slot_positions`), position
+    p into slot p mod R; with a long-short model's rings, into the block's own kind's stack (its
+    `window` 0: the whole-context one)."""
+    positions_BT = place.index[:, None] + jnp.arange(new[0].shape[1])
+    R = None if place.slot_positions is None else place.slot_positions.shape[1]
+    if stack.ring is None:
+        k, v = write_rows(stack.k, stack.v, new, stack.layer, positions_BT if R is None else positions_BT % R)
+        return stack._replace(k=k, v=v)
+    long = write_rows(stack.k, stack.v, new, jnp.where(window == 0, stack.layer, stack.k.shape[0]), positions_BT)
+    ring = write_rows(*stack.ring, new, jnp.where(window == 0, stack.ring[0].shape[0], stack.layer), positions_BT % R)
+    return stack._replace(k=long[0], v=long[1], ring=ring)
+
+
+def write_rows(k: jax.Array, v: jax.Array, new: KV, row: jax.Array, at_BT: jax.Array) -> KV:
+    """Keys [N, B, K, S, D] and values [N, B, K, D, S] with each sequence's T new ones written
+    into row `row` at its own slots `at_BT`; a `row` of N or more writes nothing (a long-short
+    model's block writes one kind's stack, not the other's)."""
+    # The row and the slots index apart, so the slots' axis comes first: [T, K, D] for both.
+    def write_k(buffer_NKSD, new_TKD, at_T):
+        return buffer_NKSD.at[row, :, at_T].set(new_TKD.astype(buffer_NKSD.dtype), mode="drop")
+
+    def write_v(buffer_NKDS, new_TKD, at_T):
+        return buffer_NKDS.at[row, :, :, at_T].set(new_TKD.astype(buffer_NKDS.dtype), mode="drop")
+
+    return (jax.vmap(write_k, in_axes=(1, 0, 0), out_axes=1)(k, new[0], at_BT),
+            jax.vmap(write_v, in_axes=(1, 0, 0), out_axes=1)(v, new[1], at_BT))
+
+
+def written_attention(q_BTHD: jax.Array, stack: CacheStack, place: CachePlace, window: jax.Array | None = None,
+                      ) -> jax.Array:
+    """T queries against the row of `stack.layer`, which holds their own keys already
+    (`write_layer`): each query at position index + t reads the positions up to its own, within
+    its `window` (0: none) and, with the place's floors, its document. `place.slot_positions`: the
+    positions a ring's slots hold after the write (`ring_held`). With a long-short model's rings,
+    the block's own kind's row: its ring where its `window` is not 0."""
+    if stack.ring is not None:
+        return jax.lax.cond(
+            window == 0,
+            lambda: written_attention(q_BTHD, CacheStack(stack.k, stack.v, stack.layer),
+                                      place._replace(slot_positions=None)),
+            lambda: written_attention(q_BTHD, CacheStack(*stack.ring, stack.layer), place, window))
+    B, T, H, D = q_BTHD.shape
+    k_BKSD = jax.lax.dynamic_index_in_dim(stack.k, stack.layer, keepdims=False)
+    v_BKDS = jax.lax.dynamic_index_in_dim(stack.v, stack.layer, keepdims=False)
+    K, S, dtype = k_BKSD.shape[1], k_BKSD.shape[2], q_BTHD.dtype
+    q_BTKGD = (q_BTHD * jnp.asarray(D**-0.5, dtype)).reshape(B, T, K, H // K, D)
+    scores = jnp.einsum("btkgd,bksd->bkgts", q_BTKGD, k_BKSD.astype(dtype), preferred_element_type=jnp.float32)
+    held_BS = jnp.broadcast_to(jnp.arange(S), (B, S)) if place.slot_positions is None else place.slot_positions
+    query_BT = place.index[:, None] + jnp.arange(T)
+    distance_BTS = query_BT[:, :, None] - held_BS[:, None, :]
+    read_BTS = (held_BS[:, None, :] >= 0) & (distance_BTS >= 0)
+    if window is not None:
+        read_BTS = read_BTS & ((window == 0) | (distance_BTS < window))
+    if place.floors is not None:
+        read_BTS = read_BTS & (held_BS[:, None, :] >= place.floors[:, :, None])
+    # Every query reads its own key, so no row is empty.
+    p = jax.nn.softmax(jnp.where(read_BTS[:, None, None], scores, -jnp.inf), axis=-1)
+    out = jnp.einsum("bkgts,bkds->btkgd", p.astype(dtype), v_BKDS.astype(dtype))
+    return out.reshape(B, T, H, D)

@@ -33,15 +33,18 @@ from jaxgpt.kernels.choose import PORTABLE
 from jaxgpt.model.cache import (
     Cache,
     CachePlace,
+    CacheStack,
     LayerCaches,
     block_kinds,
     cache_rows,
     document_floors,
     positions,
     previous_tokens,
+    ring_held,
     write_kv,
     write_ring,
     write_tokens,
+    writes_first,
 )
 from jaxgpt.model.dtypes import activation_dtype, compute_dtype
 from jaxgpt.model.knobs import Knobs, init_knobs, times
@@ -178,11 +181,17 @@ class Decoder(nn.Module):
         ring = None if cache is None else cache.get("ring")  # a long-short model's rings beside its linear caches
         kv = None if cache is None or fresh else (cache["k"], cache["v"])
         table = layer_table(cfg, skip_weights)
-        if ring is not None and kv is not None:
-            kv = LayerCaches(kv, (ring["k"], ring["v"]))
-            table["cache_row"] = jnp.asarray(cache_rows(cfg))
         place = None if cache is None else CachePlace(cache["index"], None if fresh else floors_BT,
                                                       cache.get("slot_positions") if ring is None else ring["slot_positions"])
+        first = kv is not None and kernels.cache_written_first and writes_first(cfg, cache, T)
+        if first:  # each block writes its row of the stack (of its kind's, long-short), then reads it
+            kv = CacheStack(*kv, ring=None if ring is None else (ring["k"], ring["v"]))
+            table["layer"] = jnp.arange(cfg.n_layers) if ring is None else jnp.asarray(cache_rows(cfg))
+            if place.slot_positions is not None:
+                place = place._replace(slot_positions=ring_held(place.slot_positions, cache["index"], T))
+        elif ring is not None and kv is not None:
+            kv = LayerCaches(kv, (ring["k"], ring["v"]))
+            table["cache_row"] = jnp.asarray(cache_rows(cfg))
         carry, kv = self._blocks(x_BTC, rope, kv, place, shared, table)
         x_BTC = carry.x
         if cfg.backout:
@@ -211,11 +220,16 @@ class Decoder(nn.Module):
                 MTPAdapter(cfg, kernels, self.deterministic, name=f"mtp_{d}")(hidden_BTC)
 
         new_cache = None
-        if cache is not None and "slot_positions" in cache:  # a ring: the last R positions stay
+        if first:  # the blocks wrote the stack they carried
+            new_cache = {"k": carry.cache.k, "v": carry.cache.v, "index": cache["index"] + T}
+            if ring is not None:
+                new_cache["ring"] = {"k": carry.cache.ring[0], "v": carry.cache.ring[1],
+                                     "slot_positions": place.slot_positions}
+            elif place.slot_positions is not None:
+                new_cache["slot_positions"] = place.slot_positions
+        elif cache is not None and "slot_positions" in cache:  # a ring: the last R positions stay
             (k, v), slots = write_ring((cache["k"], cache["v"]), kv, cache["index"], cache["slot_positions"])
             new_cache = {"k": k, "v": v, "index": cache["index"] + T, "slot_positions": slots}
-            if "tokens" in cache:
-                new_cache["tokens"] = write_tokens(cache["tokens"], token_ids_BT, cache["index"], ring=True)
         elif cache is not None:  # one in-place write for all layers, after they have read the cache
             if ring is not None:  # each kind its own layers' keys
                 long, windowed = block_kinds(cfg)
@@ -226,10 +240,10 @@ class Decoder(nn.Module):
             new_cache = {"k": k, "v": v, "index": cache["index"] + T}
             if ring is not None:
                 new_cache["ring"] = {"k": ring_k, "v": ring_v, "slot_positions": slots}
-            if floors_BT is not None:
-                new_cache["floor"] = floors_BT[:, -1]
-            if "tokens" in cache:
-                new_cache["tokens"] = write_tokens(cache["tokens"], token_ids_BT, cache["index"], ring=False)
+        if new_cache is not None and floors_BT is not None:
+            new_cache["floor"] = floors_BT[:, -1]
+        if new_cache is not None and "tokens" in cache:
+            new_cache["tokens"] = write_tokens(cache["tokens"], token_ids_BT, cache["index"], ring="slot_positions" in cache)
         return logits_BTV, new_cache
 
     def _smeared(self, embed, x_BTC, positions_BT, cache, before_B):
@@ -254,6 +268,8 @@ class Decoder(nn.Module):
         block_cls = _block_class(cfg, self.kernels)
         step = layer_step(cfg, self.kernels)
         carry = first_carry(cfg, x_BTC)
+        if isinstance(kv, CacheStack):  # carried from block to block, each writing its row
+            carry, kv = carry._replace(cache=kv), None
         if cfg.scan_layers:
             # A long-short model's caches are unequal stacks: every layer reads its own row of its kind's.
             kv_axis = nn.broadcast if isinstance(kv, LayerCaches) else 0

@@ -16,7 +16,8 @@ Where attention runs (`CausalSelfAttention`, its one door): a pass with no cache
     (windows)        jaxgpt/kernels/xla.py         with_banded: a block's window picks the banded kernel
 
 Cached passes (prefill into a cache, decoding) read the cache through `jaxgpt.model.cache`:
-`cached_attention`, and `layered_attention` for a long-short model's two kinds of cache.
+`cached_attention`, `layered_attention` for a long-short model's two kinds of cache, and
+`written_attention` where each block writes its row first (`Kernels.cache_written_first`).
 """
 
 from __future__ import annotations
@@ -33,7 +34,16 @@ import jax.numpy as jnp
 from jaxgpt.config import ModelConfig
 from jaxgpt.kernels.base import Kernels
 from jaxgpt.kernels.choose import PORTABLE
-from jaxgpt.model.cache import KV, CachePlace, LayerCaches, cached_attention, layered_attention
+from jaxgpt.model.cache import (
+    BlockCache,
+    CachePlace,
+    CacheStack,
+    LayerCaches,
+    cached_attention,
+    layered_attention,
+    write_layer,
+    written_attention,
+)
 from jaxgpt.model.dtypes import activation_dtype
 
 Rope = tuple[jax.Array, jax.Array]  # (cos, sin), each [B, T, D/2] float32
@@ -147,6 +157,18 @@ def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> j
     return (x32 - mean) * jax.lax.rsqrt(var + eps) * scale + bias
 
 
+def one_pass_layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> jax.Array:
+    """`layer_norm` with both statistics from one pass over the features (Kernels.one_pass_layer_norm):
+    the variance as E[d^2] - E[d]^2 of d = x less its first feature, so that a mean far from 0
+    does not cancel (the error in the variance stays within about the features' count of float32
+    roundings, as one feature lies at most sqrt(n) deviations from the mean)."""
+    shifted = x.astype(jnp.float32)
+    shifted = shifted - shifted[..., :1]
+    mean = shifted.mean(-1, keepdims=True)
+    var = jnp.maximum(jnp.square(shifted).mean(-1, keepdims=True) - jnp.square(mean), 0.0)
+    return (shifted - mean) * jax.lax.rsqrt(var + eps) * scale + bias
+
+
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     """x divided by its root mean square over the last axis, in float32, times the gain."""
     x32 = x.astype(jnp.float32)
@@ -175,14 +197,17 @@ class _Norm(nn.Module):
 
 
 class LayerNorm(_Norm):
-    """GPT-2's LayerNorm: biased variance over the features of one vector, learned gain and bias."""
+    """GPT-2's LayerNorm: biased variance over the features of one vector, learned gain and bias;
+    `one_pass`: its statistics from one pass (`one_pass_layer_norm`)."""
+
+    one_pass: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         features = x.shape[-1]
         scale = self.param("scale", nn.initializers.ones, (features,), jnp.float32)
         bias = self.param("bias", nn.initializers.zeros, (features,), jnp.float32)
-        return self._normed(layer_norm, x, scale, bias)
+        return self._normed(one_pass_layer_norm if self.one_pass else layer_norm, x, scale, bias)
 
 
 class RMSNorm(_Norm):
@@ -195,9 +220,11 @@ class RMSNorm(_Norm):
 
 
 def make_norm(cfg: ModelConfig, kernels: Kernels, name: str | None = None) -> nn.Module:
-    norm = LayerNorm if cfg.norm == "layernorm" else RMSNorm
-    return norm(eps=cfg.norm_eps, dtype=activation_dtype(cfg, kernels), recompute=kernels.recompute_elementwise,
-                prevent_cse=not in_a_loop(cfg, kernels), name=name)
+    options = dict(eps=cfg.norm_eps, dtype=activation_dtype(cfg, kernels), recompute=kernels.recompute_elementwise,
+                   prevent_cse=not in_a_loop(cfg, kernels), name=name)
+    if cfg.norm == "layernorm":
+        return LayerNorm(one_pass=kernels.one_pass_layer_norm, **options)
+    return RMSNorm(**options)
 
 
 def rope_tables(positions_BT: jax.Array, head_size: int, scale: float, base: float, truncated: bool = False) -> Rope:
@@ -245,13 +272,15 @@ class CausalSelfAttention(nn.Module):
 
     @nn.compact
     def __call__(
-        self, x_BTC: jax.Array, rope: Rope | None, kv: KV | None = None, place: CachePlace | None = None,
+        self, x_BTC: jax.Array, rope: Rope | None, kv: BlockCache | None = None, place: CachePlace | None = None,
         values: ValueEmbeds | None = None, segment_ids: jax.Array | None = None, window: jax.Array | None = None,
-    ) -> tuple[jax.Array, KV | None]:
+    ) -> tuple[jax.Array, BlockCache | None]:
         """Cached decoding passes `place`: the T new keys and values are then returned for the
         caller to write (`write_kv`), so no layer copies the cache. With `kv` too (this layer's
         cache, read only) the queries also read each sequence's cached positions before
-        `place.index`; without it (a prefill into an empty cache) they read only the new tokens. `values`: the
+        `place.index`; without it (a prefill into an empty cache) they read only the new tokens;
+        with every layer's (`CacheStack`) this block writes its new keys and values into its row
+        first, reads the row alone and returns the stack. `values`: the
         value embeddings (model.value_embeds), mixed into the values before they are cached;
         `segment_ids` [B, T]: each query reads only its own segment's keys (no cache); `window`
         (model.attention_window, this block's: 0 for the whole context) bounds how far back a
@@ -285,12 +314,16 @@ class CausalSelfAttention(nn.Module):
                                               **masks)
         elif isinstance(kv, LayerCaches):
             out_BTHD = layered_attention(q_BTHD, kv, (k_BTKD, v_BTKD), place, window)
+        elif isinstance(kv, CacheStack):
+            kv = write_layer(kv, (k_BTKD, v_BTKD), place, window)
+            out_BTHD = written_attention(q_BTHD, kv, place, window)
         else:
             out_BTHD = cached_attention(q_BTHD, kv, (k_BTKD, v_BTKD), place, window)
         if cfg.exclusive_self_attention:
             strength_H = jnp.tanh(self.param("xsa_alpha", nn.initializers.zeros, (H,), jnp.float32))
             out_BTHD = without_own_value(out_BTHD, v_BTKD, strength_H)
-        kv = None if place is None else (k_BTKD, v_BTKD)
+        if not isinstance(kv, CacheStack):
+            kv = None if place is None else (k_BTKD, v_BTKD)
         out = dense(cfg, self.kernels, cfg.d_model, "out", output=True)(out_BTHD.reshape(B, T, H * D))
         return nn.Dropout(cfg.dropout)(out, deterministic=self.deterministic), kv
 
@@ -364,10 +397,10 @@ class TransformerBlock(nn.Module):
 
     @nn.compact
     def __call__(
-        self, x_BTC: jax.Array, rope: Rope | None, kv: KV | None = None, place: CachePlace | None = None,
+        self, x_BTC: jax.Array, rope: Rope | None, kv: BlockCache | None = None, place: CachePlace | None = None,
         x0_BTC: jax.Array | None = None, values: ValueEmbeds | None = None, segment_ids: jax.Array | None = None,
         window: jax.Array | None = None, bigram_BTC: jax.Array | None = None,
-    ) -> tuple[jax.Array, KV | None]:
+    ) -> tuple[jax.Array, BlockCache | None]:
         """`x0_BTC`: the first block's input, mixed in under model.x0_mix; `values`: the value
         embeddings (model.value_embeds); `segment_ids` and `window`: the attention's masks;
         `bigram_BTC`: the bigram table's lookup, added times this block's lambda

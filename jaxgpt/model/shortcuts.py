@@ -22,6 +22,7 @@ import numpy as np
 
 from jaxgpt.config import ModelConfig
 from jaxgpt.kernels.base import Kernels
+from jaxgpt.model.cache import CacheStack
 from jaxgpt.model.layers import mixed
 
 
@@ -106,12 +107,15 @@ def window_plan(cfg: ModelConfig) -> np.ndarray:
 class Carry(NamedTuple):
     """What the stack carries from layer to layer: the residual stream `x`; under
     model.unet_skips the skip buffer `skips` [n_layers // 2 + 1, B, T, C]; under model.backout the
-    stream after block n_layers // 2, `backout` (zeros until then). In this order, so that a
-    stack without the backout carries (x, skips) as it always has (the same program)."""
+    stream after block n_layers // 2, `backout` (zeros until then); in a pass whose blocks write
+    the cache before they read it, every layer's cache, `cache` (`jaxgpt.model.cache.CacheStack`).
+    In this order, so that a stack without the backout carries (x, skips) as it always has (the
+    same program)."""
 
     x: jax.Array
     skips: jax.Array | None = None
     backout: jax.Array | None = None
+    cache: CacheStack | None = None
 
 
 def first_carry(cfg: ModelConfig, x_BTC: jax.Array) -> Carry:
@@ -134,9 +138,13 @@ def layer_step(cfg: ModelConfig, kernels: Kernels) -> Callable[..., Any]:
             values = (shared.value_lookups, row["value_table"], row["value_on"])
         if "cache_row" in row:  # a long-short model's caches: this block's row in its kind's stack
             kv = kv._replace(row=row["cache_row"])
+        if carry.cache is not None:  # every layer's cache, which this block writes and then reads
+            kv = carry.cache._replace(layer=row["layer"])
         x_BTC, kv = block(x_BTC, rope, kv, place, shared.x0_BTC, values, shared.segment_ids, row.get("window"),
                           shared.bigram_BTC)
         carry = carry._replace(x=x_BTC)
+        if carry.cache is not None:
+            carry, kv = carry._replace(cache=kv._replace(layer=None)), None
         if cfg.unet_skips:
             carry = carry._replace(skips=jax.lax.dynamic_update_index_in_dim(carry.skips, x_BTC, row["skip_to"], 0))
         if cfg.backout:
