@@ -320,18 +320,31 @@ LONG_SHORT = dataclasses.replace(MTP_ROPE, n_layers=3, attention_window=6, windo
                                        (LONG_SHORT, {"written_attention", "one_pass_layer_norm"})],
                          ids=["whole", "ring", "long-short"])
 def test_the_gpu_sets_decoding_kernels_decode_the_same_greedy_tokens(cfg, runs, monkeypatch):
-    """The GPU set's decoding kernels (transposed matrices, the cache written before it is read,
-    one-pass LayerNorm) get every dense layer's kernel as `kernel_t` [features, in], run what
-    applies to the model (`runs`), and decode, plainly and speculatively (rejected drafts in a
-    ring), across slides, what this machine's kernels decode."""
+    """The GPU set's decoding kernels (transposed matrices, the cache written before it is read
+    by one Pallas kernel, in interpret mode here, one-pass LayerNorm) get every dense layer's
+    kernel as `kernel_t` [features, in], run what applies to the model (`runs`), and decode,
+    plainly and speculatively (rejected drafts in a ring), across slides, what this machine's
+    kernels decode."""
+    from jaxgpt.kernels import gpu_decode
+
     prompts, n = [prompt(5, 7), prompt(20, 8)], 50
     expected = [generate(params_for(cfg), cfg, prompts, n, speculative=speculative, **GREEDY)
                 for speculative in (False, True)]
     gpu = {name: getattr(gpu_kernels.KERNELS.for_decoding(), name)
-           for name in ("transposed_decoding", "cache_written_first", "one_pass_layer_norm")}
+           for name in ("transposed_decoding", "cache_written_first", "one_pass_layer_norm", "written_attention")}
     # The set's own passes (train, eval, the harness's scoring) keep the two-pass norm and the
     # cache read before it is written.
     assert all(gpu.values()) and not (gpu_kernels.KERNELS.cache_written_first or gpu_kernels.KERNELS.one_pass_layer_norm)
+    assert gpu["written_attention"] is gpu_decode.written_attention and gpu_kernels.KERNELS.written_attention is None
+    took = set()  # whether the Pallas kernel took each pass
+
+    def kernel(q, stack, new, place, window=None):
+        ran.add("written_attention")
+        written.add(q.shape[1])
+        took.add(gpu_decode.applies(q, new))
+        return gpu_decode.written_attention(q, stack, new, place, window, interpret=True)
+
+    gpu["written_attention"] = kernel
     real_kernels, real_weights, read = generate_module._kernels, generate_module.decoding_weights, []
     monkeypatch.setattr(generate_module, "_kernels", lambda cfg, mesh: dataclasses.replace(real_kernels(cfg, mesh), **gpu))
     monkeypatch.setattr(generate_module, "decoding_weights",
@@ -340,12 +353,11 @@ def test_the_gpu_sets_decoding_kernels_decode_the_same_greedy_tokens(cfg, runs, 
 
     def spy(name, real, *args):
         ran.add(name)
-        if name == "written_attention":
-            written.add(args[0].shape[1])
         return real(*args)
 
-    for name in ("written_attention", "one_pass_layer_norm"):
-        monkeypatch.setattr(layers_module, name, functools.partial(spy, name, getattr(layers_module, name)))
+    for name in ("written_attention", "one_pass_layer_norm"):  # the XLA ops of the cache written first run no pass
+        monkeypatch.setattr(layers_module, name, functools.partial(spy, name + " (xla)" * (name == "written_attention"),
+                                                                   getattr(layers_module, name)))
     got = [generate(params_for(cfg), cfg, prompts, n, speculative=speculative, **GREEDY)
            for speculative in (False, True)]
     plain, drafting = (dict(leaf_names(weights.params)) for weights in read)
@@ -357,6 +369,7 @@ def test_the_gpu_sets_decoding_kernels_decode_the_same_greedy_tokens(cfg, runs, 
     assert not any(name.startswith("mtp_0.") and name.endswith(".kernel") for name in drafting)
     assert got == expected and len(set(expected[0][1])) > 5 and ran == runs
     assert {1, 1 + cfg.mtp_depth} <= written  # a token, and a speculative block of it and its drafts
+    assert took == {True}
 
 
 @pytest.mark.parametrize("top_k, top_p", [(40, None), (40, 0.9), (3000, 0.5), (None, 0.9), (1, 0.5)])

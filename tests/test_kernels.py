@@ -102,6 +102,18 @@ def test_gpu_kernels_without_cudnn_fall_back_through_the_real_library(caplog):
     assert len(caplog.records) == 1 and "gpu kernels unavailable" in caplog.records[0].getMessage()
 
 
+def test_a_sampler_kernel_that_does_not_compile_leaves_the_gpu_sets_other_decoding_options(caplog):
+    # Here (no GPU) Pallas compiles no Triton kernel: the sampler keeps the XLA ops, and the rest.
+    from jaxgpt.kernels import gpu, sampler_usable
+
+    with caplog.at_level(logging.WARNING, logger="jaxgpt.kernels"):
+        kept = sampler_usable(gpu.KERNELS, BASE)
+    assert dict(kept.decoding) == {k: v for k, v in gpu.KERNELS.decoding if k != "written_attention"}
+    assert dict(gpu.KERNELS.decoding)["written_attention"] is not None and kept.attention is gpu.KERNELS.attention
+    assert len(caplog.records) == 1 and "sampler's attention kernel unavailable (ValueError" in caplog.records[0].getMessage()
+    assert sampler_usable(kept, BASE) is kept
+
+
 @pytest.mark.parametrize("dtype, asked", [(jnp.bfloat16, ["cudnn"]), (jnp.float16, ["cudnn"]), (jnp.float32, [None])])
 def test_gpu_attention_asks_cudnn_in_half_precision_only(monkeypatch, random_qkv, dtype, asked):
     from jaxgpt.kernels import gpu
@@ -213,3 +225,92 @@ def test_gpu_windowed_blocks_ask_cudnn_for_the_window_xla_masks(random_qkv, wind
     want = xla.attention(q, k, v, window=window)
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=0, atol=2e-2)
     assert np.abs(np.asarray(got, np.float32) - np.asarray(xla.attention(q, k, v), np.float32)).max() > 0.1
+
+
+def _written_pass(layout: str, T: int, dtype=jnp.float32, documents: bool = False, K: int = 2):
+    """A cached pass that writes first (`jaxgpt.model.cache.CacheStack`): random stacks of 3
+    layers (a long-short model's: 2 linear rows of 16 positions, 3 ring rows of 10 slots), 4
+    query heads over K KV heads (D 8), two rows at different indices (a ring's second row's pass
+    wraps round its slots), the ring's slots holding the positions before each row's index."""
+    from jaxgpt.model.cache import CachePlace, CacheStack, ring_held
+
+    rng = np.random.default_rng(T)
+    B, H, D, S, R = 2, 4, 8, 16, 10
+    normal = lambda *shape: jnp.asarray(rng.normal(size=shape), dtype)  # noqa: E731
+    index = jnp.asarray([3, 11], jnp.int32) if layout == "linear" else jnp.asarray([5, 38], jnp.int32)
+    held = None
+    if layout != "linear":
+        before = index[:, None] - R + jnp.arange(R)
+        empty = jnp.full((B, R), -1, jnp.int32)
+        held = ring_held(jax.vmap(lambda h, s, p: h.at[s].set(jnp.where(p >= 0, p, -1)))(empty, before % R, before),
+                         index, T)
+    floors = index[:, None] - jnp.asarray([[2], [4]]) + jnp.arange(T) // 2 if documents else None
+    place = CachePlace(index, floors, held)
+    if layout == "long-short":
+        stack = CacheStack(normal(2, B, K, S, D), normal(2, B, K, D, S), ring=(normal(3, B, K, R, D), normal(3, B, K, D, R)))
+    else:
+        size = S if layout == "linear" else R
+        stack = CacheStack(normal(3, B, K, size, D), normal(3, B, K, D, size))
+    return normal(B, T, H, D), stack, (normal(B, T, K, D), normal(B, T, K, D)), place
+
+
+@pytest.mark.parametrize("layout, T, window, row, documents, K", [
+    ("linear", 1, None, 1, False, 2), ("linear", 3, 5, 2, True, 1), ("ring", 1, 6, 0, False, 4),
+    ("ring", 3, 6, 2, True, 2), ("long-short", 1, 0, 1, False, 2), ("long-short", 3, 6, 2, False, 2),
+    ("long-short", 2, 0, 0, True, 4)])
+def test_the_gpu_samplers_one_kernel_writes_and_reads_the_cache_as_the_two_xla_ops(layout, T, window, row, documents,
+                                                                                   K, monkeypatch):
+    """`jaxgpt.kernels.gpu_decode.written_attention` (Pallas, interpret mode) equals
+    `write_layer` then `written_attention`: the same outputs, the same cache bit for bit, in a
+    linear cache, a ring and a long-short model's two stacks (a window of 0 writes and reads the
+    linear row, else the ring's), with windows, documents, groups of 1, 2 and 4 query heads and
+    a block of several queries; the read in steps of 4 positions (a ring's 10 slots: two, then
+    one of 2), so that its softmax spans several."""
+    from jaxgpt.kernels import gpu_decode
+    from jaxgpt.model.cache import write_layer, written_attention
+
+    monkeypatch.setattr(gpu_decode, "MAX_BLOCK", 4)
+    assert gpu_decode._segments(10, 2, 8) == ((0, 4, 2), (8, 2, 1))
+    q, stack, new, place = _written_pass(layout, T, documents=documents, K=K)
+    stack = stack._replace(layer=jnp.asarray(row, jnp.int32))
+    w = None if window is None else jnp.asarray(window, jnp.int32)
+    assert gpu_decode.applies(q, new)
+    want_stack = write_layer(stack, new, place, w)
+    want = written_attention(q, want_stack, place, w)
+    got, got_stack = jax.jit(lambda *args: gpu_decode.written_attention(*args, interpret=True))(q, stack, new, place, w)
+    np.testing.assert_allclose(got, want, atol=2e-6, rtol=2e-6)
+    for a, b in zip(jax.tree_util.tree_leaves(got_stack), jax.tree_util.tree_leaves(want_stack)):
+        np.testing.assert_array_equal(a, b)
+    assert not all(np.array_equal(a, b) for a, b in zip(jax.tree_util.tree_leaves(got_stack),
+                                                        jax.tree_util.tree_leaves(stack)))  # the pass wrote
+
+
+def test_the_gpu_samplers_kernel_in_bfloat16_and_where_triton_cannot_take_the_heads():
+    """bfloat16: within a rounding of the XLA ops (its probabilities weigh the values unnormalised);
+    a group of 3 query heads (not a power of two) is left to the XLA ops."""
+    from jaxgpt.kernels import gpu_decode
+    from jaxgpt.model.cache import write_layer, written_attention
+
+    q, stack, new, place = _written_pass("linear", 1, jnp.bfloat16)
+    stack = stack._replace(layer=jnp.asarray(1, jnp.int32))
+    want_stack = write_layer(stack, new, place)
+    got, got_stack = gpu_decode.written_attention(q, stack, new, place, interpret=True)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(written_attention(q, want_stack, place), np.float32),
+                               atol=2e-2)
+    np.testing.assert_array_equal(got_stack.k, want_stack.k)
+    q6 = jnp.concatenate([q, q[:, :, :2]], axis=2)  # 6 query heads over 2 KV heads
+    assert not gpu_decode.applies(q6, new)
+    assert gpu_decode.written_attention(q6, stack, new, place, interpret=True) is None
+    # A speculative sampler's ring of 258 slots: 4 steps of 64 (D 64, one query head a group), then one of 2.
+    assert gpu_decode._segments(258, 1, 64) == ((0, 64, 4), (256, 2, 1))
+    assert gpu_decode._segments(7, 1, 64) == ((0, 4, 1), (4, 2, 1), (6, 1, 1))
+
+
+def test_on_a_mesh_the_gpu_sampler_keeps_the_xla_ops_xla_can_split():
+    from jaxgpt.kernels import gpu
+
+    decoding = gpu.KERNELS.for_decoding()
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+    on_mesh = decoding.on_mesh(mesh, batch_axes=())
+    assert decoding.written_attention is not None and on_mesh.written_attention is None
+    assert on_mesh.cache_written_first and on_mesh.attention is not decoding.attention

@@ -100,12 +100,15 @@ def test_the_token_loop_reads_the_weights_and_the_cache_where_they_lie(h100, hlo
     no cache (its layout is the read's), holds no branch (a slide is a program of its own) and
     writes no product of a vector with a matrix before summing it (the sampler's matrices lie
     transposed): nothing as large as a layer's cache or its smallest matrix (65,536 elements) is
-    written but in place."""
+    written but in place, the cache by the Pallas kernel it is handed."""
     from jaxgpt.plan.loop_ops import loop_ops
 
-    found = loop_ops((hlo_root / "mha" / "decode.hlo.txt").read_text(), large=4 * 256 * 64)
+    text = (hlo_root / "mha" / "decode.hlo.txt").read_text()
+    found = loop_ops(text, large=4 * 256 * 64)
     assert found["conditionals"] == 0 and found["launches"] > 0
     assert found["large_writes"] == []
+    # The attention's write and read are the Pallas kernel, which compiled for the H100 here.
+    assert text.count('custom_call_target="__gpu$xla.gpu.triton"') == 1 and "jaxgpt_written_attention" in text
 
 
 def test_dry_run_hlo_writes_what_it_compiled_here_and_needs_a_compile(tmp_path, capsys):

@@ -5,6 +5,7 @@
     xla.py           the portable set (PORTABLE)
     cpu.py, cpu_attention.py, cpu_matmul.py   the CPU's set
     gpu.py           the GPU's: cuDNN attention
+    gpu_decode.py    the GPU sampler's cache write and read in one Pallas kernel
     tpu.py           the TPU's: Pallas splash attention
     head_loss.py     the head fused with its loss, in chunks
 
@@ -13,6 +14,6 @@ it from `CausalSelfAttention` and its docstring names each one.
 """
 
 from jaxgpt.kernels.base import Kernels
-from jaxgpt.kernels.choose import PORTABLE, choose_for, choose_kernels, usable
+from jaxgpt.kernels.choose import PORTABLE, choose_for, choose_kernels, sampler_usable, usable
 
-__all__ = ["Kernels", "PORTABLE", "choose_for", "choose_kernels", "usable"]
+__all__ = ["Kernels", "PORTABLE", "choose_for", "choose_kernels", "sampler_usable", "usable"]

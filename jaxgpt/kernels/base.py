@@ -99,6 +99,12 @@ class Kernels:
     # options alone: trained and evaluated models keep the norm they were trained with, and a
     # decoded token runs two kernels fewer a block.
     one_pass_layer_norm: bool = False
+    # A block's write of its new keys and values and its read of its row in one, for the passes
+    # that write the cache first: (q_BTHD, stack, (k_BTKD, v_BTKD), place, window) -> (out_BTHD,
+    # stack), as `jaxgpt.model.cache.write_layer` then `written_attention` compute them, or None
+    # where it does not take the pass (the GPU sampler's one kernel, `jaxgpt.kernels.gpu_decode`).
+    # None, or a pass it returns None for: those two.
+    written_attention: Callable[..., Any] | None = None
     # What the sampler's programs (prefill, decoding, the slide) change of this set (`for_decoding`),
     # as (field, value) pairs.
     decoding: tuple[tuple[str, Any], ...] = ()
@@ -122,11 +128,14 @@ class Kernels:
     def on_mesh(self, mesh: Any, batch_axes: tuple[str, ...] | None = None) -> Kernels:
         """These kernels for a program whose batch rows are split over `batch_axes` of `mesh`
         (default: every axis; a sweep's members, vmapped over another axis, take the rest; `()`:
-        every device runs the kernel on all rows, as the sampler's few rows need)."""
-        if self.mesh_attention is None:
-            return self
+        every device runs the kernel on all rows, as the sampler's few rows need). A sampler's
+        one-kernel cache write and read (`written_attention`, Pallas, which XLA's partitioner
+        cannot split) gives way to the XLA ops there."""
+        kernels = self if self.written_attention is None else dataclasses.replace(self, written_attention=None)
+        if kernels.mesh_attention is None:
+            return kernels
         axes = tuple(mesh.axis_names) if batch_axes is None else batch_axes
-        return dataclasses.replace(self, attention=self.mesh_attention(mesh, axes))
+        return dataclasses.replace(kernels, attention=kernels.mesh_attention(mesh, axes))
 
 
 def per_device(attend: Callable[..., Any], mesh: Any, axes: tuple[str, ...] | None = None,

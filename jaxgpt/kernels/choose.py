@@ -16,6 +16,7 @@ first: from then on the kernels are chosen for that device's backend, probed by 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 
@@ -26,7 +27,7 @@ from jaxgpt.config import ModelConfig
 from jaxgpt.kernels import xla
 from jaxgpt.kernels.base import Kernels
 
-__all__ = ["Kernels", "PORTABLE", "choose_for", "choose_kernels", "usable"]
+__all__ = ["Kernels", "PORTABLE", "choose_for", "choose_kernels", "sampler_usable", "usable"]
 
 PORTABLE = xla.KERNELS
 # What a kernel that does not apply raises when traced or compiled.
@@ -71,7 +72,8 @@ def _choose(model: ModelConfig, backend: str, interpret: bool, device: jax.Devic
     if backend == "gpu":
         from jaxgpt.kernels import gpu
 
-        return usable(gpu.windowed(W, every_block) if W else gpu.KERNELS, model, device=device)
+        return sampler_usable(usable(gpu.windowed(W, every_block) if W else gpu.KERNELS, model, device=device),
+                              model, device)
     if backend == "tpu":
         from jaxgpt.kernels import tpu
 
@@ -83,6 +85,25 @@ def _choose(model: ModelConfig, backend: str, interpret: bool, device: jax.Devic
 
 
 choose_kernels.cache_clear = _choose.cache_clear  # every choice made anew (tests)
+
+
+def sampler_usable(kernels: Kernels, model: ModelConfig, device: jax.Device | None = None) -> Kernels:
+    """`kernels` if the sampler's attention kernel among its `decoding` options (the GPU set's
+    Pallas kernel) compiles for the model's heads on `device`; else the set without it (the
+    sampler then runs XLA's ops), with one warning line."""
+    options = dict(kernels.decoding)
+    if options.get("written_attention") is None:
+        return kernels
+    from jaxgpt.kernels import gpu_decode
+
+    dtype = jnp.bfloat16 if model.dtype == "bfloat16" else jnp.float32
+    try:
+        gpu_decode.probe(model.n_heads, model.kv_heads, model.head_size, dtype, device)
+    except (*COMPILE_ERRORS, AttributeError) as error:  # AttributeError: a Pallas without what the kernel calls
+        log.warning("jaxgpt: the %s sampler's attention kernel unavailable (%s); decoding runs XLA's ops",
+                    kernels.name, _first_line(error))
+        return dataclasses.replace(kernels, decoding=tuple((k, v) for k, v in kernels.decoding if k != "written_attention"))
+    return kernels
 
 
 def usable(kernels: Kernels, model: ModelConfig, errors: tuple[type[BaseException], ...] = COMPILE_ERRORS,

@@ -7,6 +7,10 @@ attention keeps them on chip. It refuses with an error where it does not apply (
 too old a one, a ROCm GPU, a head size or layout it does not take): `jaxgpt.kernels` compiles
 it once for the model's shapes when it chooses, and takes the portable kernels instead, with one
 warning line saying why, where it refuses.
+
+The sampler (`Kernels.decoding`) holds the blocks' matrices transposed, writes each block's keys
+into the cache before reading it, in one Pallas kernel (`jaxgpt.kernels.gpu_decode`), and takes
+LayerNorm's statistics in one pass.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxgpt.kernels import xla
+from jaxgpt.kernels import gpu_decode, xla
 from jaxgpt.kernels.base import Kernels, per_device
 from jaxgpt.kernels.head_loss import mean_head_loss, weighted_head_loss
 
@@ -58,7 +62,8 @@ attention = xla.masks_by_xla(causal_attention, _portable_for_masks)
 KERNELS = dataclasses.replace(xla.KERNELS, name="gpu", attention=attention, head_loss=mean_head_loss,
                               weighted_head_loss=weighted_head_loss, scan_unroll=1 << 30,
                               recompute_elementwise=False, transposed_decoding=True,
-                              decoding=(("cache_written_first", True), ("one_pass_layer_norm", True)),
+                              decoding=(("cache_written_first", True), ("one_pass_layer_norm", True),
+                                        ("written_attention", gpu_decode.written_attention)),
                               mesh_attention=lambda mesh, axes: functools.partial(attention, mesh=mesh, axes=axes))
 
 

@@ -315,8 +315,13 @@ class CausalSelfAttention(nn.Module):
         elif isinstance(kv, LayerCaches):
             out_BTHD = layered_attention(q_BTHD, kv, (k_BTKD, v_BTKD), place, window)
         elif isinstance(kv, CacheStack):
-            kv = write_layer(kv, (k_BTKD, v_BTKD), place, window)
-            out_BTHD = written_attention(q_BTHD, kv, place, window)
+            one_kernel = self.kernels.written_attention
+            fused = None if one_kernel is None else one_kernel(q_BTHD, kv, (k_BTKD, v_BTKD), place, window)
+            if fused is not None:
+                out_BTHD, kv = fused
+            else:
+                kv = write_layer(kv, (k_BTKD, v_BTKD), place, window)
+                out_BTHD = written_attention(q_BTHD, kv, place, window)
         else:
             out_BTHD = cached_attention(q_BTHD, kv, (k_BTKD, v_BTKD), place, window)
         if cfg.exclusive_self_attention:

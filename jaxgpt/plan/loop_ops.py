@@ -13,7 +13,9 @@ tuples, bitcasts, constants). A nested `while` counts its condition and body onc
 trip count as the compiler knows it, else 1); a `conditional` counts its cheapest branch, the
 one an iteration usually takes (the sampler's slide branch runs once in `context_length // 2`
 tokens). A write is in place when the op is a dynamic-update-slice or scatter, or a fusion
-whose result is one: those write their update into the buffer they were given.
+whose result is one: those write their update into the buffer they were given; so does a
+custom call's output aliased to one of its operands (`output_to_operand_aliasing`: a Pallas
+kernel that writes the KV cache it was handed).
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ _INSTRUCTION = re.compile(r"^\s+(ROOT )?%(\S+) = (.*)$")
 _ARRAY = re.compile(r"\b(pred|s4|s8|s16|s32|s64|u4|u8|u16|u32|u64|f8e4m3fn|f8e5m2|f16|bf16|f32|f64|c64|c128|token)"
                     r"\[([\d,]*)\]")
 _TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+# A custom call's aliases, `{{1}: (6, {}), {2}: (7, {})}`: each output's index and the operand it aliases.
+_ALIAS = r"\{([\d,]*)\}: \(\d+, \{[\d,]*\}\)"
+_ALIASES = re.compile(rf"output_to_operand_aliasing=\{{((?:{_ALIAS}(?:, )?)*)\}}")
 
 
 @dataclass
@@ -136,6 +141,19 @@ def _writes_in_place(instruction: Instruction, computations: dict[str, Computati
     return in_place(called.root)
 
 
+def _written(instruction: Instruction) -> list[int]:
+    """The element count of each output an op writes anew: all but a custom call's outputs that
+    alias an operand (an array output's index is empty, a tuple's i-th output's is i)."""
+    counts = elements(instruction.shape)
+    listed = _ALIASES.search(instruction.attributes) if instruction.opcode == "custom-call" else None
+    if listed is None:
+        return counts
+    aliased = set(re.findall(_ALIAS, listed.group(1)))
+    if "" in aliased:
+        return []
+    return [count for at, count in enumerate(counts) if str(at) not in aliased]
+
+
 @dataclass
 class Tally:
     launches: float = 0
@@ -169,7 +187,7 @@ def _tally(name: str, computations: dict[str, Computation], large: int) -> Tally
             tally.add(_tally(_called(instruction, "to_apply"), computations, large), 1)
             continue
         tally.launches += 1
-        largest = max(elements(instruction.shape), default=0)
+        largest = max(_written(instruction), default=0)
         if largest >= large and not _writes_in_place(instruction, computations):
             tally.large_writes[(op, instruction.name)] = {
                 "op": f"{op} {instruction.name}", "root": _root(instruction, computations), "shape": instruction.shape,

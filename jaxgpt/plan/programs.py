@@ -204,7 +204,8 @@ def compile_decode(cfg: RunConfig, mesh: Mesh, hlo_dir: Path | None = None) -> d
     (`train.sample_tokens`), the params in their training shardings: the figures of the one that
     needs most (its `total_bytes` with `params_held_bytes`: the params as stored, of the leaves
     the sampler casts or transposes, which stay alive beside the converted copies), and the custom calls of them all
-    (the prefill's and the slide's attention kernel; the loop reads its cache with XLA's ops). `hlo_dir`: where to write their HLO text
+    (the prefill's and the slide's attention kernel; on a GPU the loop's Pallas kernel, which reads and
+    writes its cache). `hlo_dir`: where to write their HLO text
     (`prefill.hlo.txt`, `decode.hlo.txt`, `slide.hlo.txt`)."""
     from jaxgpt.evaluation.generate import decoding_weights, lower_decoding
 
