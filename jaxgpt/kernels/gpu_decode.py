@@ -209,10 +209,11 @@ def _kernel(*refs: Any, T: int, H: int, K: int, linear: Runs | None, ring: Runs 
 
     state = [(jnp.full((G,), -1e30, jnp.float32), jnp.zeros((G,), jnp.float32), jnp.zeros((G, D), jnp.float32))
              for _ in range(T)]
-    for runs, k_ref, v_ref, taken in ((linear, linear_k, linear_v, ~in_ring), (ring, ring_k, ring_v, in_ring)):
+    for runs, k_ref, v_ref, taken, ring_slots in ((linear, linear_k, linear_v, ~in_ring, False),
+                                                  (ring, ring_k, ring_v, in_ring, True)):
         for first, block, steps in runs or ():  # a long-short model's block reads its own kind's stack alone
             state = jax.lax.fori_loop(0, steps * taken.astype(jnp.int32) if both else steps,
-                                      reader(k_ref, v_ref, first, block, runs is ring), state)
+                                      reader(k_ref, v_ref, first, block, ring_slots), state)
     # Every query reads its own key, so each total is positive at the end.
     for t, (_, total_G, acc_GD) in enumerate(state):
         out_ref[b, t, pl.ds(h * G, G), :] = (acc_GD / total_G[:, None]).astype(out_ref.dtype)
