@@ -171,9 +171,9 @@ def _kernel(*refs: Any, T: int, H: int, K: int, linear: Runs | None, ring: Runs 
             if k_ref is linear_k:
                 slot, kept = at, at < size
                 kept = kept & ~in_ring if both else kept
-            else:
-                slot, kept = at % size, in_ring if both else at >= 0
-            mask = jnp.full((D,), kept)
+            else:  # a ring alone keeps every entry
+                slot, kept = at % size, in_ring if both else None
+            mask = None if kept is None else jnp.full((D,), kept)
             plt.store(k_ref.at[row, b, h, slot, :], k_D.astype(k_ref.dtype), mask=mask)
             plt.store(v_ref.at[row, b, h, :, slot], v_D.astype(v_ref.dtype), mask=mask)
     if barrier:  # every thread's writes land before any reads the row

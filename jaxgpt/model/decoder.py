@@ -186,7 +186,7 @@ class Decoder(nn.Module):
         first = kv is not None and kernels.cache_written_first and writes_first(cfg, cache, T)
         if first:  # each block writes its row of the stack (of its kind's, long-short), then reads it
             kv = CacheStack(*kv, ring=None if ring is None else (ring["k"], ring["v"]))
-            table["layer"] = np.arange(cfg.n_layers, dtype=np.int32) if ring is None else np.asarray(cache_rows(cfg))
+            table["layer"] = np.arange(cfg.n_layers, dtype=np.int32) if ring is None else cache_rows(cfg)
             if place.slot_positions is not None:
                 place = place._replace(slot_positions=ring_held(place.slot_positions, cache["index"], T))
         elif ring is not None and kv is not None:
