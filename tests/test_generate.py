@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -315,26 +316,33 @@ RING = dataclasses.replace(MTP_ROPE, attention_window=6, norm="layernorm")
 LONG_SHORT = dataclasses.replace(MTP_ROPE, n_layers=3, attention_window=6, window_pattern="SSL", norm="layernorm")
 
 
-@pytest.mark.parametrize("cfg, runs", [(SPEEDRUN_BLOCK, {"written_attention"}),  # RMSNorm
-                                       (RING, {"written_attention", "one_pass_layer_norm"}),
-                                       (LONG_SHORT, {"written_attention", "one_pass_layer_norm"})],
+# RMSNorm, and LayerNorm: the blocks' folded into their products, the final one in one pass.
+LAYER_NORMS = {"written_attention", "one_pass_layer_norm", "layer_norm_statistics"}
+
+
+@pytest.mark.parametrize("cfg, runs", [(SPEEDRUN_BLOCK, {"written_attention"}), (RING, LAYER_NORMS),
+                                       (LONG_SHORT, LAYER_NORMS)],
                          ids=["whole", "ring", "long-short"])
 def test_the_gpu_sets_decoding_kernels_decode_the_same_greedy_tokens(cfg, runs, monkeypatch):
     """The GPU set's decoding kernels (transposed matrices, the cache written before it is read
-    by one Pallas kernel, in interpret mode here, one-pass LayerNorm) get every dense layer's
-    kernel as `kernel_t` [features, in], run what applies to the model (`runs`), and decode,
-    plainly and speculatively (rejected drafts in a ring), across slides, what this machine's
-    kernels decode."""
+    by one Pallas kernel, in interpret mode here, one-pass LayerNorm, each block's LayerNorm
+    folded into its products, its gains and shifts drawn away from 1 and 0) get every dense
+    layer's kernel as `kernel_t` [features, in], run what applies to the model (`runs`), and
+    decode, plainly and speculatively (rejected drafts in a ring), across slides, what this
+    machine's kernels decode."""
+    from test_model import with_norms_off_their_init
+
     from jaxgpt.kernels import gpu_decode
 
-    prompts, n = [prompt(5, 7), prompt(20, 8)], 50
-    expected = [generate(params_for(cfg), cfg, prompts, n, speculative=speculative, **GREEDY)
-                for speculative in (False, True)]
+    prompts, n, params = [prompt(5, 7), prompt(20, 8)], 50, with_norms_off_their_init(params_for(cfg))
+    expected = [generate(params, cfg, prompts, n, speculative=speculative, **GREEDY) for speculative in (False, True)]
     gpu = {name: getattr(gpu_kernels.KERNELS.for_decoding(), name)
-           for name in ("transposed_decoding", "cache_written_first", "one_pass_layer_norm", "written_attention")}
-    # The set's own passes (train, eval, the harness's scoring) keep the two-pass norm and the
-    # cache read before it is written.
-    assert all(gpu.values()) and not (gpu_kernels.KERNELS.cache_written_first or gpu_kernels.KERNELS.one_pass_layer_norm)
+           for name in ("transposed_decoding", "cache_written_first", "one_pass_layer_norm", "folded_layer_norm",
+                        "written_attention")}
+    # The set's own passes (train, eval, the harness's scoring) keep the two-pass norm, unfolded,
+    # and the cache read before it is written.
+    own = gpu_kernels.KERNELS
+    assert all(gpu.values()) and not (own.cache_written_first or own.one_pass_layer_norm or own.folded_layer_norm)
     assert gpu["written_attention"] is gpu_decode.written_attention and gpu_kernels.KERNELS.written_attention is None
     took = set()  # whether the Pallas kernel took each pass
 
@@ -356,14 +364,16 @@ def test_the_gpu_sets_decoding_kernels_decode_the_same_greedy_tokens(cfg, runs, 
         return real(*args)
 
     # The XLA ops of the cache written first run no pass: the kernel above takes them all.
-    for name, label in (("written_attention", "written_attention (xla)"), ("one_pass_layer_norm", "one_pass_layer_norm")):
+    for name, label in (("written_attention", "written_attention (xla)"),
+                        ("one_pass_layer_norm", "one_pass_layer_norm"),
+                        ("layer_norm_statistics", "layer_norm_statistics")):
         monkeypatch.setattr(layers_module, name, functools.partial(spy, label, getattr(layers_module, name)))
-    got = [generate(params_for(cfg), cfg, prompts, n, speculative=speculative, **GREEDY)
-           for speculative in (False, True)]
+    got = [generate(params, cfg, prompts, n, speculative=speculative, **GREEDY) for speculative in (False, True)]
     plain, drafting = (dict(leaf_names(weights.params)) for weights in read)
     down, C = plain["blocks.feed_forward.down.kernel_t"].shape, cfg.d_model
     assert down == (cfg.n_layers, C, cfg.hidden_size) and not any(name.endswith(".kernel") and "blocks" in name
                                                                    for name in plain)
+    assert ("blocks.attention.qkv.norm_sum" in plain) == (cfg.norm == "layernorm")
     # Plain decoding never reads the adapters: their matrices keep their layout; drafting reads them transposed.
     assert any(name.startswith("mtp_0.") and name.endswith(".kernel") for name in plain)
     assert not any(name.startswith("mtp_0.") and name.endswith(".kernel") for name in drafting)
@@ -374,7 +384,7 @@ def test_the_gpu_sets_decoding_kernels_decode_the_same_greedy_tokens(cfg, runs, 
 
 @pytest.mark.parametrize("top_k, top_p", [(40, None), (40, 0.9), (3000, 0.5), (None, 0.9), (1, 0.5)])
 def test_top_k_and_top_p_over_slices_of_a_large_vocabulary_draw_as_a_full_sort(top_k, top_p):
-    """A vocabulary of 50,304 ranked slice by slice (`largest`): the k largest values equal
+    """A vocabulary of 50,304 (and 50,299) ranked slice by slice (`largest`): the k largest values equal
     lax.top_k's, ties and excluded ids included, and every draw equals the full sort's."""
     rng = np.random.default_rng(0)
     logits = rng.normal(size=(6, 50_304)).astype(np.float32) * 3
@@ -382,8 +392,10 @@ def test_top_k_and_top_p_over_slices_of_a_large_vocabulary_draw_as_a_full_sort(t
     logits[1, 1000:] = -np.inf  # a vocab limit below k's slices
     logits[2, :64] = np.round(logits[2, :64])  # ties with the k-th
     logits = jnp.asarray(logits)
-    for k in (1, 40, 3000):
-        np.testing.assert_array_equal(generate_module.largest(logits, k), jax.lax.top_k(logits, k)[0])
+    # 50,304 splits into slices of 1,048 (k = 1, 40) or 3,144 (k = 3,000); 50,299 into none, so
+    # its slices are padded.
+    for V, k in itertools.product((50_304, 50_299), (1, 40, 3000)):
+        np.testing.assert_array_equal(generate_module.largest(logits[:, :V], k), jax.lax.top_k(logits[:, :V], k)[0])
     for seed in range(3):
         key = jax.random.key(seed)
         options = dict(temperature=1.0, top_k=top_k, top_p=top_p)
@@ -427,6 +439,17 @@ def test_decoding_weights_are_cast_once_and_decode_the_same_logits(cfg):
     np.testing.assert_array_equal(down, jnp.swapaxes(cast["blocks.feed_forward.down.kernel"], 1, 2))
     got = forward_cached(laid_out.params, cfg, tokens, cached, kernels=transposing, tied_head=laid_out.tied_head)[0]
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    # With the blocks' LayerNorms folded in too (the GPU sampler's): every leaf the fold keeps is
+    # cast as above, a folded matrix is cast alike, its sums and bias stay float32.
+    folding = dataclasses.replace(transposing, folded_layer_norm=True)
+    folded = dict(leaf_names(generate_module.decoding_weights(params, cfg, kernels=folding).params))
+    layers = tuple(name.removesuffix("norm_sum") for name in folded if name.endswith(".norm_sum"))
+    made = {name for name in folded if name.startswith(layers)}  # the folded layers' leaves
+    assert sorted(layers) == (["blocks.attention.qkv.", "blocks.feed_forward.up."] if cfg.norm == "layernorm" else [])
+    assert {name: folded[name].dtype for name in set(folded) - made} == {
+        name: leaf.dtype for name, leaf in leaf_names(laid_out.params) if name not in made}
+    for name in made:
+        assert folded[name].dtype == (jnp.bfloat16 if name.endswith("kernel_t") else jnp.float32), name
     cpu = choose_kernels(cfg)
     assert cpu.float32_activations  # this machine's set: its dense layers promote to float32
     kept = generate_module.decoding_weights(params, cfg, kernels=cpu).params

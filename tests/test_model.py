@@ -21,7 +21,15 @@ from jaxgpt.model.decoder import (
     stack_blocks,
     unstack_blocks,
 )
-from jaxgpt.model.layers import FeedForward, LayerNorm, RMSNorm
+from jaxgpt.model.layers import (
+    Dense,
+    FeedForward,
+    LayerNorm,
+    RMSNorm,
+    folded_layer_norms,
+    folds_layer_norms,
+    layer_norm_statistics,
+)
 
 TINY = ModelConfig(vocab_size=64, context_length=16, d_model=32, n_layers=2, n_heads=4)
 
@@ -283,6 +291,107 @@ def test_one_pass_layernorm_equals_the_definition_far_from_zero():
     want = centred / np.sqrt((centred**2).mean(-1, keepdims=True) + 1e-5)
     got = apply_norm(LayerNorm(eps=1e-5, one_pass=True), jnp.asarray(x, jnp.float32))
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=2e-4)
+    # The statistics a product folded with the norm applies (`layer_norm_statistics`), alike.
+    first, mean, rstd = layer_norm_statistics(jnp.asarray(x, jnp.float32), 1e-5)
+    np.testing.assert_array_equal(first, np.float32(x[:, :1]))
+    np.testing.assert_allclose(first + mean, x.mean(-1, keepdims=True), rtol=1e-6, atol=1e-5)  # of deviations >= 1
+    np.testing.assert_allclose(rstd, 1 / np.sqrt((centred**2).mean(-1, keepdims=True) + 1e-5), rtol=1e-4)
+
+
+def with_norms_off_their_init(params):
+    """Every norm's gain (and shift) drawn far from 1 (and 0): a fold that drops either shows."""
+    leaves, tree = jax.tree_util.tree_flatten_with_path(params)
+    keys = jax.random.split(jax.random.key(7), len(leaves))
+    return tree.unflatten([leaf + 0.5 * jax.random.normal(key, leaf.shape) if "norm" in jax.tree_util.keystr(path)
+                           else leaf for (path, leaf), key in zip(leaves, keys)])
+
+
+@pytest.mark.parametrize("more", [{}, dict(feed_forward="swiglu", bias=False, scan_layers=False)],
+                         ids=["gelu, scanned", "swiglu, no bias, unscanned"])
+def test_layernorms_folded_into_their_products_give_the_models_logits(more):
+    """`folded_layer_norms` (the GPU sampler's weights): each block's LayerNorm gain and shift
+    folded into the qkv, up and gate matrices and their biases, the column sums beside them; the
+    blocks then read the raw residual and its statistics, and compute the logits of the norms
+    they no longer run. A folded kernel is converted to the dtype asked for, and its sums are
+    those of the converted matrix."""
+    cfg = dataclasses.replace(TINY, init_std=0.3, **more)
+    params = with_norms_off_their_init(init_params(cfg, jax.random.key(0)))
+    tokens = jax.random.randint(jax.random.key(1), (2, cfg.context_length), 0, cfg.vocab_size)
+    want = forward(params, cfg, tokens)
+    folded = folded_layer_norms(params, lambda names: None)
+    np.testing.assert_allclose(forward(folded, cfg, tokens), want, rtol=1e-5, atol=1e-5)
+    asked = []
+    half = folded_layer_norms(params, lambda names: asked.append(names) or jnp.bfloat16)
+    block = "blocks" if cfg.scan_layers else "block_1"
+    for module, dense in (("attention", "qkv"), ("feed_forward", "up"), ("feed_forward", "gate")):
+        layer = half[block][module].get(dense)
+        if layer is None:
+            assert cfg.feed_forward != "swiglu"
+            continue
+        assert (block, module, dense, "kernel") in asked and layer["kernel"].dtype == jnp.bfloat16
+        np.testing.assert_array_equal(layer["norm_sum"], layer["kernel"].astype(jnp.float32).sum(-2))
+    assert "norm_sum" not in half[block]["attention"]["out"] and "norm_sum" not in half[block]["feed_forward"]["down"]
+    # Laid out for the GPU sampler: the same matrix, transposed, in place of the kernel.
+    laid_out = folded_layer_norms(params, lambda names: jnp.bfloat16, transposed=True)[block]["attention"]["qkv"]
+    assert "kernel" not in laid_out
+    np.testing.assert_array_equal(laid_out["kernel_t"], jnp.swapaxes(half[block]["attention"]["qkv"]["kernel"], -1, -2))
+    # A norm that is not a pre-norm LayerNorm before dense layers alone is not folded.
+    assert folds_layer_norms(cfg) and not any(folds_layer_norms(dataclasses.replace(cfg, **change)) for change in (
+        dict(residual="post"), dict(norm="rmsnorm"), dict(value_embeds=1, value_gate=True)))
+
+
+def test_a_folded_dense_layer_keeps_float32_precision_far_from_zero():
+    """The folded product subtracts the mean after multiplying: with rows 1,000 deviations from 0
+    it still gives float64's LayerNorm then product within float32's rounding, as it subtracts
+    the first feature before the product and that row's mean of the rest after."""
+    rng = np.random.default_rng(0)
+    C, F = 768, 64
+    x = rng.normal(size=(3, C))
+    x[0] += 1000.0
+    x[1] = x[1] * 40 - 7
+    x = x.astype(np.float32).astype(np.float64)  # the rows as float32 holds them
+    gain, shift, bias = 1 + rng.normal(size=C) / 2, rng.normal(size=C), rng.normal(size=F)
+    kernel = rng.normal(size=(C, F)) / 30
+    centred = x - x.mean(-1, keepdims=True)
+    want = (centred / np.sqrt((centred**2).mean(-1, keepdims=True) + 1e-5) * gain + shift) @ kernel + bias
+    f32 = lambda a: jnp.asarray(a, jnp.float32)
+    norm = {"scale": f32(gain), "bias": f32(shift)}
+    tree = {"blocks": {"attention_norm": norm, "feed_forward_norm": norm, "feed_forward": {},
+                       "attention": {"qkv": {"kernel": f32(kernel), "bias": f32(bias)}}}}
+    layer = folded_layer_norms(tree, lambda names: None)["blocks"]["attention"]["qkv"]
+    statistics = layer_norm_statistics(f32(x), 1e-5)
+    got = Dense(F, dot_general=jax.lax.dot_general).apply({"params": layer}, f32(x), statistics)
+    assert np.abs(np.asarray(got) - want).max() < 1e-5 * np.abs(want).max()
+
+
+def test_folded_layernorms_abstract_weights_keep_their_shardings_less_the_folded_axis():
+    """A plan folds `jax.ShapeDtypeStruct`s: the shapes and dtypes of the arrays' fold, a folded
+    kernel's sharding as it was, its sums' and bias' the features' axis of it."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    mesh = jax.make_mesh((8,), ("d",), devices=jax.devices()[:8])
+    params = init_params(TINY, jax.random.key(0))
+    specs = {("attention", "qkv"): P(None, "d", None), ("feed_forward", "up"): P(None, None, "d")}
+
+    def placed(path, leaf):
+        names = tuple(str(getattr(key, "key", key)) for key in path)
+        spec = specs.get(names[1:3], P()) if names[-1] == "kernel" else P()
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=NamedSharding(mesh, spec))
+
+    for transposed in (False, True):
+        abstract = folded_layer_norms(jax.tree_util.tree_map_with_path(placed, params), lambda names: jnp.bfloat16,
+                                      transposed)
+        concrete = folded_layer_norms(params, lambda names: jnp.bfloat16, transposed)
+        assert jax.tree_util.tree_structure(abstract) == jax.tree_util.tree_structure(concrete)
+        for a, c in zip(jax.tree_util.tree_leaves(abstract), jax.tree_util.tree_leaves(concrete)):
+            assert (a.shape, a.dtype) == (c.shape, c.dtype)
+        qkv, up = abstract["blocks"]["attention"]["qkv"], abstract["blocks"]["feed_forward"]["up"]
+        assert qkv["norm_sum"].sharding.spec == P(None, None) and up["bias"].sharding.spec == P(None, "d")
+        if transposed:
+            specs = (qkv["kernel_t"].sharding.spec, up["kernel_t"].sharding.spec)
+            assert specs == (P(None, None, "d"), P(None, "d", None))
+        else:
+            assert (qkv["kernel"].sharding.spec, up["kernel"].sharding.spec) == (P(None, "d", None), P(None, None, "d"))
 
 
 def test_rmsnorm_drops_only_the_mean():

@@ -67,7 +67,7 @@ from jaxgpt.model.cache import (
 )
 from jaxgpt.model.decoder import Params, forward_cached
 from jaxgpt.model.dtypes import compute_dtype
-from jaxgpt.model.layers import transposed_matrices
+from jaxgpt.model.layers import folded_layer_norms, folds_layer_norms, transposed_matrices
 from jaxgpt.model.read_dtypes import cast_leaf, read_targets
 
 # A finished row (one that produced `stop_token`) yields this from then on.
@@ -141,6 +141,9 @@ def largest(x_BV: jax.Array, k: int) -> jax.Array:
     width = max(k, TOP_K_SLICE)
     if V <= 2 * width:
         return jax.lax.top_k(x_BV, k)[0]
+    # A width that divides the row (GPT-2's 50,304 = 48 x 1,048) slices it without a padded copy,
+    # which would cost a decoded token one more kernel on a GPU.
+    width = next((w for w in range(width, 2 * width) if V % w == 0), width)
     n = -(-V // width)
     sliced_BNW = jnp.pad(x_BV, ((0, 0), (0, n * width - V)), constant_values=-jnp.inf).reshape(B, n, width)
     return jax.lax.top_k(jax.lax.top_k(sliced_BNW, k)[0].reshape(B, n * k), k)[0]
@@ -175,9 +178,10 @@ def decoding_weights(params: Params, cfg: ModelConfig, draft: int = 0, document_
     """`params` converted once, before any decode loop, to the dtype the model reads each in
     (`jaxgpt.model.read_dtypes`: a bfloat16 model's matrices), with a tied head's own converted
     copy, and laid out as the kernels read them (`Kernels.transposed_decoding`): the values
-    decoded are unchanged (a transposed matrix's products up to the order they sum in).
-    `params` may be `jax.ShapeDtypeStruct`s (a plan); `kernels`: those the decoding runs
-    (default: the sampler's)."""
+    decoded are unchanged (a transposed matrix's products up to the order they sum in), and
+    with each block's LayerNorm folded into its products (`Kernels.folded_layer_norm`: the
+    values within float32's rounding of the norm's). `params` may be `jax.ShapeDtypeStruct`s (a
+    plan); `kernels`: those the decoding runs (default: the sampler's)."""
     leaves, tree = jax.tree_util.tree_flatten(params)
     kernels = _kernels(cfg, params_mesh(params)) if kernels is None else kernels
     dtype = compute_dtype(cfg)
@@ -185,10 +189,28 @@ def decoding_weights(params: Params, cfg: ModelConfig, draft: int = 0, document_
     head = cast_leaf(table, dtype) if cfg.tie_embeddings and table.dtype != dtype else None
     shapes = tuple((leaf.shape, np.dtype(leaf.dtype).name) for leaf in leaves)
     targets = _read_targets(cfg, kernels, draft, document_token, tree, shapes, head is not None)
+    if kernels.folded_layer_norm and folds_layer_norms(cfg):
+        params, targets = _folded_norms(params, targets, kernels.transposed_decoding)
+        leaves, tree = jax.tree_util.tree_flatten(params)
     if not kernels.transposed_decoding:
         return Weights(tree.unflatten([cast_leaf(leaf, target) for leaf, target in zip(leaves, targets)]), head)
     unread = () if draft else tuple(f"mtp_{d}" for d in range(cfg.mtp_depth))  # plain decoding drafts nothing
     return Weights(transposed_matrices(params, lambda i, leaf: cast_leaf(leaf, targets[i]), keep=unread), head)
+
+
+def _folded_norms(params: Params, targets: Sequence[Any], transposed: bool) -> tuple[Params, list[Any]]:
+    """`folded_layer_norms` of `params`, each folded kernel converted to the dtype it is read in
+    (and `transposed`, so that no second copy of it is made after), and the dtype each leaf of
+    the result is converted to (None: the leaves the fold made, as they are)."""
+    def names(tree: Any) -> list[tuple[tuple[str, ...], Any]]:
+        return [(tuple(str(getattr(key, "key", key)) for key in path), leaf)
+                for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+    before = names(params)
+    read = {name: target for (name, _), target in zip(before, targets)}
+    kept = {name: leaf for name, leaf in before}
+    folded = folded_layer_norms(params, read.get, transposed)
+    return folded, [read[name] if kept.get(name) is leaf else None for name, leaf in names(folded)]
 
 
 @functools.lru_cache(maxsize=32)

@@ -99,6 +99,13 @@ class Kernels:
     # options alone: trained and evaluated models keep the norm they were trained with, and a
     # decoded token runs two kernels fewer a block.
     one_pass_layer_norm: bool = False
+    # Whether the sampler's weights fold each pre-norm LayerNorm's gain and shift into the dense
+    # layers that read it (`jaxgpt.model.layers.folded_layer_norms`): a block then takes the
+    # norm's statistics alone, and each product reads the raw residual and applies them in the
+    # elementwise epilogue its bias add already is, where XLA's GPU backend launches the
+    # normalisation as one more kernel a norm. Its `dot_general` takes `preferred_element_type`
+    # (the product's float32 output, from which the mean is subtracted; `lax.dot_general` does).
+    folded_layer_norm: bool = False
     # A block's write of its new keys and values and its read of its row in one, for the passes
     # that write the cache first: (q_BTHD, stack, (k_BTKD, v_BTKD), place, window) -> (out_BTHD,
     # stack), as `jaxgpt.model.cache.write_layer` then `written_attention` compute them, or None

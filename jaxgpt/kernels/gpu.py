@@ -9,8 +9,8 @@ it once for the model's shapes when it chooses, and takes the portable kernels i
 warning line saying why, where it refuses.
 
 The sampler (`Kernels.decoding`) holds the blocks' matrices transposed, writes each block's keys
-into the cache before reading it, in one Pallas kernel (`jaxgpt.kernels.gpu_decode`), and takes
-LayerNorm's statistics in one pass.
+into the cache before reading it, in one Pallas kernel (`jaxgpt.kernels.gpu_decode`), takes
+LayerNorm's statistics in one pass, and folds a block's norms into the products that read them.
 """
 
 from __future__ import annotations
@@ -63,6 +63,7 @@ KERNELS = dataclasses.replace(xla.KERNELS, name="gpu", attention=attention, head
                               weighted_head_loss=weighted_head_loss, scan_unroll=1 << 30,
                               recompute_elementwise=False, transposed_decoding=True,
                               decoding=(("cache_written_first", True), ("one_pass_layer_norm", True),
+                                        ("folded_layer_norm", True),
                                         ("written_attention", gpu_decode.written_attention)),
                               mesh_attention=lambda mesh, axes: functools.partial(attention, mesh=mesh, axes=axes))
 

@@ -23,6 +23,7 @@ Cached passes (prefill into a cache, decoding) read the cache through `jaxgpt.mo
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Mapping
 from typing import Any, Callable
 
@@ -64,10 +65,14 @@ def dense_init(cfg: ModelConfig, output: bool = False, hidden: bool = False) -> 
 
 class Dense(nn.Dense):
     """`nn.Dense`; where the params hold `kernel_t` [features, in] in place of `kernel` (the
-    sampler's weights, `transposed_matrices`), the same product read from the transposed matrix."""
+    sampler's weights, `transposed_matrices`), the same product read from the transposed matrix;
+    where they hold `norm_sum` (`folded_layer_norms`), the product of the LayerNorm before it,
+    from the raw inputs and the norm's statistics (`norm`: `layer_norm_statistics`)."""
 
     @nn.compact
-    def __call__(self, inputs: jax.Array) -> jax.Array:
+    def __call__(self, inputs: jax.Array, norm: tuple[jax.Array, ...] | None = None) -> jax.Array:
+        if self.has_variable("params", "norm_sum"):
+            return self._after_folded_norm(inputs, norm)
         if not self.has_variable("params", "kernel_t"):
             return super().__call__(inputs)
         kernel_t = self.get_variable("params", "kernel_t")
@@ -75,6 +80,23 @@ class Dense(nn.Dense):
         inputs, kernel_t, bias = self.promote_dtype(inputs, kernel_t, bias, dtype=self.dtype)
         y = self.dot_general(inputs, kernel_t, (((inputs.ndim - 1,), (1,)), ((), ())), precision=self.precision)
         return y if bias is None else y + jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
+
+    def _after_folded_norm(self, inputs: jax.Array, norm: tuple[jax.Array, ...] | None) -> jax.Array:
+        """LayerNorm(x) W + b = rstd ((x - x0) W' - mean s) + c, W' = diag(gain) W, s its column
+        sums, c = shift W + b, x0 the first feature and mean that of x - x0 (so that a mean far
+        from 0 does not cancel): the float32 product, then one elementwise epilogue."""
+        if norm is None:
+            raise ValueError(f"dense layer {self.name!r} holds a folded LayerNorm (norm_sum): "
+                             "it needs the norm's statistics")
+        first, mean, rstd = norm
+        transposed = self.has_variable("params", "kernel_t")
+        kernel = self.get_variable("params", "kernel_t" if transposed else "kernel")
+        inputs = (inputs.astype(jnp.float32) - first).astype(self.dtype or inputs.dtype)
+        inputs, kernel = self.promote_dtype(inputs, kernel, dtype=self.dtype)
+        y = self.dot_general(inputs, kernel, (((inputs.ndim - 1,), (1 if transposed else 0,)), ((), ())),
+                             precision=self.precision, preferred_element_type=jnp.float32)
+        y = rstd * (y - mean * self.get_variable("params", "norm_sum")) + self.get_variable("params", "bias")
+        return y.astype(self.dtype or inputs.dtype)
 
 
 # The `dense` layers of a block, by name: the matrices `transposed_matrices` lays out for decoding.
@@ -97,23 +119,12 @@ def transposed_matrices(params: Any, convert: Callable[[int, Any], Any] | None =
     tree), one leaf at a time, so that no
     second converted tree is ever alive; the top-level entries named in `keep` (matrices the pass
     does not read) are converted but keep their layout."""
-    def swapped(leaf: Any) -> Any:
-        if not isinstance(leaf, jax.ShapeDtypeStruct):
-            return jnp.swapaxes(leaf, -1, -2)
-        shape = (*leaf.shape[:-2], leaf.shape[-1], leaf.shape[-2])
-        spec = getattr(leaf.sharding, "spec", None)
-        if spec is None:
-            return jax.ShapeDtypeStruct(shape, leaf.dtype, sharding=leaf.sharding)
-        axes = (*spec, *(None,) * (leaf.ndim - len(spec)))
-        spec = type(spec)(*axes[:-2], axes[-1], axes[-2])
-        return jax.ShapeDtypeStruct(shape, leaf.dtype, sharding=leaf.sharding.update(spec=spec))
-
     def is_matrix(names: tuple[str, ...]) -> bool:
         return len(names) >= 2 and names[-1] == "kernel" and names[-2] in DENSE_NAMES and names[0] not in keep
 
     def laid_out(i: int, path: Any, leaf: Any) -> Any:
         leaf = leaf if convert is None else convert(i, leaf)
-        return swapped(leaf) if is_matrix(tuple(str(getattr(k, "key", k)) for k in path)) else leaf
+        return _swapped(leaf) if is_matrix(tuple(str(getattr(k, "key", k)) for k in path)) else leaf
 
     def renamed(tree: Any, names: tuple[str, ...]) -> Any:
         if not isinstance(tree, Mapping):
@@ -123,6 +134,73 @@ def transposed_matrices(params: Any, convert: Callable[[int, Any], Any] | None =
 
     flat, tree = jax.tree_util.tree_flatten_with_path(params)
     return renamed(tree.unflatten([laid_out(i, path, leaf) for i, (path, leaf) in enumerate(flat)]), ())
+
+
+def _swapped(leaf: Any) -> Any:
+    """`leaf` with its last two axes swapped (a `jax.ShapeDtypeStruct`: its shape and sharding)."""
+    if not isinstance(leaf, jax.ShapeDtypeStruct):
+        return jnp.swapaxes(leaf, -1, -2)
+    shape = (*leaf.shape[:-2], leaf.shape[-1], leaf.shape[-2])
+    return jax.ShapeDtypeStruct(shape, leaf.dtype, sharding=_resharded(leaf, lambda a: (*a[:-2], a[-1], a[-2])))
+
+
+def _resharded(leaf: jax.ShapeDtypeStruct, pick: Callable[[tuple[Any, ...]], tuple[Any, ...]]) -> Any:
+    """`leaf`'s sharding over the mesh axes `pick` makes of its array axes' (a sharding without a
+    spec, which holds any shape, as it is)."""
+    spec = getattr(leaf.sharding, "spec", None)
+    if spec is None:
+        return leaf.sharding
+    return leaf.sharding.update(spec=type(spec)(*pick((*spec, *(None,) * (len(leaf.shape) - len(spec))))))
+
+
+# Each pre-norm LayerNorm, and the dense layers that read its output (`folded_layer_norms`).
+FOLDED_NORMS = (("attention_norm", "attention", ("qkv",)), ("feed_forward_norm", "feed_forward", ("up", "gate")))
+
+
+def folds_layer_norms(cfg: ModelConfig) -> bool:
+    """Whether `folded_layer_norms` applies to the model: pre-norm LayerNorm blocks whose norms
+    feed only dense layers (a value gate reads the attention norm's output too)."""
+    return cfg.norm == "layernorm" and cfg.residual == "pre" and not cfg.value_gate
+
+
+def folded_layer_norms(params: Any, dtype: Callable[[tuple[str, ...]], Any], transposed: bool = False) -> Any:
+    """`params` with each block's LayerNorm gain and shift folded into the dense layers that read
+    it (`Kernels.folded_layer_norm`): `kernel` becomes diag(gain) kernel, converted to
+    `dtype(names)` (its names in the tree: the dtype the sampler reads it in; None: float32),
+    `transposed`: held as `kernel_t` (as `transposed_matrices` lays it out); `bias` becomes
+    shift kernel + bias, and `norm_sum` holds the converted kernel's column sums, so that `Dense`
+    computes LayerNorm(x) kernel + bias from x itself (the blocks' own stacks, scanned or not;
+    `jax.ShapeDtypeStruct` leaves keep their shardings, less the folded axis)."""
+    def block(name: str, tree: Mapping[str, Any]) -> dict[str, Any]:
+        tree = dict(tree)
+        for norm, module, denses in FOLDED_NORMS:
+            tree[module] = {key: _folded_dense(layer, tree[norm]["scale"], tree[norm]["bias"],
+                                               dtype((name, module, key, "kernel")), transposed)
+                            if key in denses else layer for key, layer in tree[module].items()}
+        return tree
+
+    return {key: block(key, value) if key == "blocks" or re.fullmatch(r"block_\d+", key) else value
+            for key, value in params.items()}
+
+
+def _folded_dense(layer: Mapping[str, Any], gain: Any, shift: Any, dtype: Any, transposed: bool) -> dict[str, Any]:
+    def fold(kernel, gain, shift, bias):
+        kernel32 = kernel.astype(jnp.float32)
+        folded = (gain[..., :, None] * kernel32).astype(dtype or jnp.float32)
+        added = jnp.einsum("...c,...cf->...f", shift, kernel32, precision=jax.lax.Precision.HIGHEST)
+        return folded, folded.astype(jnp.float32).sum(-2), added if bias is None else added + bias
+
+    arguments = (layer["kernel"], gain, shift, layer.get("bias"))
+    if isinstance(layer["kernel"], jax.ShapeDtypeStruct):
+        shapes = jax.eval_shape(fold, *arguments)
+        features = _resharded(layer["kernel"], lambda axes: (*axes[:-2], axes[-1]))  # less the folded axis
+        kernel, norm_sum, bias = (jax.ShapeDtypeStruct(shape.shape, shape.dtype, sharding=sharding) for shape, sharding
+                                  in zip(shapes, (layer["kernel"].sharding, features, features)))
+    else:
+        kernel, norm_sum, bias = fold(*arguments)
+    rest = {key: value for key, value in layer.items() if key != "kernel"}
+    matrix = {"kernel_t": _swapped(kernel)} if transposed else {"kernel": kernel}
+    return {**rest, **matrix, "bias": bias, "norm_sum": norm_sum}
 
 
 def in_a_loop(cfg: ModelConfig, kernels: Kernels) -> bool:
@@ -162,11 +240,24 @@ def one_pass_layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: fl
     the variance as E[d^2] - E[d]^2 of d = x less its first feature, so that a mean far from 0
     does not cancel (the error in the variance stays within about the features' count of float32
     roundings, as one feature lies at most sqrt(n) deviations from the mean)."""
+    shifted, mean, var = _shifted_moments(x)
+    return (shifted - mean) * jax.lax.rsqrt(var + eps) * scale + bias
+
+
+def layer_norm_statistics(x: jax.Array, eps: float) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """LayerNorm's statistics of x from one pass, as `one_pass_layer_norm` takes them, each
+    [..., 1] float32: x's first feature x0, the mean of x - x0, and the reciprocal deviation.
+    What a dense layer folded with the norm (`folded_layer_norms`) applies around its product."""
+    _, mean, var = _shifted_moments(x)
+    return x[..., :1].astype(jnp.float32), mean, jax.lax.rsqrt(var + eps)
+
+
+def _shifted_moments(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """x in float32 less its first feature, that difference's mean and the features' variance."""
     shifted = x.astype(jnp.float32)
     shifted = shifted - shifted[..., :1]
     mean = shifted.mean(-1, keepdims=True)
-    var = jnp.maximum(jnp.square(shifted).mean(-1, keepdims=True) - jnp.square(mean), 0.0)
-    return (shifted - mean) * jax.lax.rsqrt(var + eps) * scale + bias
+    return shifted, mean, jnp.maximum(jnp.square(shifted).mean(-1, keepdims=True) - jnp.square(mean), 0.0)
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
@@ -274,6 +365,7 @@ class CausalSelfAttention(nn.Module):
     def __call__(
         self, x_BTC: jax.Array, rope: Rope | None, kv: BlockCache | None = None, place: CachePlace | None = None,
         values: ValueEmbeds | None = None, segment_ids: jax.Array | None = None, window: jax.Array | None = None,
+        norm: tuple[jax.Array, ...] | None = None,
     ) -> tuple[jax.Array, BlockCache | None]:
         """Cached decoding passes `place`: the T new keys and values are then returned for the
         caller to write (`write_kv`), so no layer copies the cache. With `kv` too (this layer's
@@ -284,11 +376,12 @@ class CausalSelfAttention(nn.Module):
         value embeddings (model.value_embeds), mixed into the values before they are cached;
         `segment_ids` [B, T]: each query reads only its own segment's keys (no cache); `window`
         (model.attention_window, this block's: 0 for the whole context) bounds how far back a
-        query reads, cached or not."""
+        query reads, cached or not. `norm`: x's LayerNorm statistics, where the projection holds
+        the norm folded in (`folded_layer_norms`) and x is the block's raw input."""
         cfg = self.cfg
         B, T, _ = x_BTC.shape
         H, K, D = cfg.n_heads, cfg.kv_heads, cfg.head_size
-        qkv = dense(cfg, self.kernels, (H + 2 * K) * D, "qkv")(x_BTC)
+        qkv = dense(cfg, self.kernels, (H + 2 * K) * D, "qkv")(x_BTC, norm)
         q_BTHD = qkv[..., : H * D].reshape(B, T, H, D)
         k_BTKD = qkv[..., H * D : (H + K) * D].reshape(B, T, K, D)
         v_BTKD = qkv[..., (H + K) * D :].reshape(B, T, K, D)
@@ -378,11 +471,12 @@ class FeedForward(nn.Module):
     deterministic: bool = True
 
     @nn.compact
-    def __call__(self, x_BTC: jax.Array) -> jax.Array:
+    def __call__(self, x_BTC: jax.Array, norm: tuple[jax.Array, ...] | None = None) -> jax.Array:
+        """`norm`: as `CausalSelfAttention`'s."""
         cfg = self.cfg
-        up_BTF = dense(cfg, self.kernels, cfg.hidden_size, "up")(x_BTC)
+        up_BTF = dense(cfg, self.kernels, cfg.hidden_size, "up")(x_BTC, norm)
         if cfg.feed_forward == "swiglu":
-            gate_BTF = dense(cfg, self.kernels, cfg.hidden_size, "gate")(x_BTC)
+            gate_BTF = dense(cfg, self.kernels, cfg.hidden_size, "gate")(x_BTC, norm)
             h_BTF = recomputed_as_kernels_ask(cfg, self.kernels, lambda gate, up: nn.silu(gate) * up)(gate_BTF, up_BTF)
         elif cfg.feed_forward == "relu2":
             h_BTF = recomputed_as_kernels_ask(cfg, self.kernels, lambda up: jnp.square(nn.relu(up)))(up_BTF)
@@ -423,7 +517,13 @@ class TransformerBlock(nn.Module):
         feed_forward = FeedForward(cfg, kernels, self.deterministic, name="feed_forward")
         attention_norm = make_norm(cfg, kernels, "attention_norm")
         feed_forward_norm = make_norm(cfg, kernels, "feed_forward_norm")
-        if cfg.residual == "pre":
+        if "norm_sum" in self.variables.get("params", {}).get("attention", {}).get("qkv", {}):
+            # The sampler's weights with the norms folded into the products (`folded_layer_norms`).
+            attended, kv = attention(x_BTC, rope, kv, place, values, segment_ids, window,
+                                     layer_norm_statistics(x_BTC, cfg.norm_eps))
+            y_BTC = x_BTC + attended
+            y_BTC = y_BTC + feed_forward(y_BTC, layer_norm_statistics(y_BTC, cfg.norm_eps))
+        elif cfg.residual == "pre":
             attended, kv = attention(attention_norm(x_BTC), rope, kv, place, values, segment_ids, window)
             y_BTC = x_BTC + attended
             y_BTC = y_BTC + feed_forward(feed_forward_norm(y_BTC))

@@ -214,11 +214,10 @@ def compile_decode(cfg: RunConfig, mesh: Mesh, hlo_dir: Path | None = None) -> d
                              placed=sharding.replicated(mesh))
     records = {name: compile_lowered(program, params, hlo_path=_hlo_file(hlo_dir, DECODE_FILES[name]))
                for name, program in lowered.items()}
-    # The programs take the params as the sampler converts them (cast, or transposed: a leaf of
-    # another name); the params as stored stay alive beside.
+    # The programs take the params as the sampler converts them (cast, transposed: a leaf of
+    # another name, or folded with a norm); the params as stored stay alive beside.
     read = dict(leaf_names(decoding_weights(params, cfg.model).params))
-    held = sharding.bytes_per_device([leaf for name, leaf in leaf_names(params)
-                                      if name not in read or read[name].dtype != leaf.dtype])
+    held = sharding.bytes_per_device([leaf for name, leaf in leaf_names(params) if read.get(name) is not leaf])
     for record in records.values():
         if record.get("total_bytes") is not None:
             record.update(params_held_bytes=held, total_bytes=record["total_bytes"] + held)
