@@ -16,8 +16,10 @@ runs) and the profile under OUT/profile/.
    reference's tokens/s, and whether the step calls cuDNN's fused attention. Variants past
    `--budget-s` are skipped, and say so.
 3. Greedy decoding of 512 new tokens after a 16-token prompt at batch 1 and 64, with the params
-   as stored, with the matmul weights cast to bfloat16 once before the loop, and with the layers
-   unrolled (no loop over layers inside the token loop); then the same
+   as stored, with the matmul weights cast to bfloat16 once before the loop, with the layers
+   unrolled (no loop over layers inside the token loop), and with each of two of the GPU
+   sampler's decoding options switched back off (`SAMPLER_WITHOUT`: its Pallas cache kernel,
+   its folded norms), each way's programs compiled anew; then the same
    decoding in a second process whose XLA_FLAGS capture the whole token loop (`WHILE`,
    `CONDITIONAL`) in CUDA command buffers.
 4. A profile of three more steps of the first variant (`jax.profiler`), taken right after its
@@ -30,6 +32,7 @@ runs) and the profile under OUT/profile/.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gzip
 import json
@@ -118,16 +121,43 @@ def bf16_matmul_weights(params: Any) -> Any:
     return jax.tree_util.tree_map_with_path(cast, params)
 
 
+# The GPU sampler's decoding options (`Kernels.decoding`) that docs/performance.md counts in
+# launching ops a token, each switched back off: what each is worth in tokens/s.
+SAMPLER_WITHOUT = (("sampler without its Pallas cache kernel", {"written_attention": None}),
+                   ("sampler with its norms unfolded", {"folded_layer_norm": False}))
+
+
+@contextlib.contextmanager
+def sampler_without(options: dict[str, Any]):
+    """`generate`'s sampler with `options` of its kernel set replaced, its programs compiled anew
+    (its jitted functions choose their kernels inside, keyed by the config alone)."""
+    from jaxgpt.evaluation import generate as sampler
+
+    real = sampler._kernels
+    sampler._kernels = lambda cfg, mesh: dataclasses.replace(real(cfg, mesh), **options)
+    jax.clear_caches()
+    try:
+        yield
+    finally:
+        sampler._kernels = real
+        jax.clear_caches()
+
+
 def decode_records(base: list[str], batches: tuple[int, ...], new_tokens: int, label: str,
                    every_way: bool = True) -> list[dict[str, Any]]:
     """Greedy decoding's tokens/s at each batch size: the params as stored, and (`every_way`) with
-    bfloat16 matmul weights and with the layers unrolled. Every way decodes the same prompts."""
+    bfloat16 matmul weights, with the layers unrolled, and with the sampler's options of
+    `SAMPLER_WITHOUT` switched off. Every way decodes the same prompts."""
     model, params = stored_params(base)
     unrolled = dataclasses.replace(model, scan_layers=False)
-    ways = (("as stored", model, params), ("bf16 matmul weights", model, bf16_matmul_weights(params)),
-            ("layers unrolled", unrolled, unstack_blocks(params, model)))[: 3 if every_way else 1]
-    return [record for weights, m, p in ways
-            for record in chip_decode_records(m, p, batches, new_tokens, f"{label}, {weights}")]
+    ways = [("as stored", model, params, None), ("bf16 matmul weights", model, bf16_matmul_weights(params), None),
+            ("layers unrolled", unrolled, unstack_blocks(params, model), None),
+            *((name, model, params, options) for name, options in SAMPLER_WITHOUT)][: None if every_way else 1]
+    records = []
+    for weights, m, p, options in ways:
+        with contextlib.nullcontext() if options is None else sampler_without(options):
+            records += chip_decode_records(m, p, batches, new_tokens, f"{label}, {weights}")
+    return records
 
 
 def decode_with_flags(args: argparse.Namespace, flags: str) -> list[dict[str, Any]]:
