@@ -67,7 +67,7 @@ from jaxgpt.model.cache import (
 )
 from jaxgpt.model.decoder import Params, forward_cached
 from jaxgpt.model.dtypes import compute_dtype
-from jaxgpt.model.layers import folded_layer_norms, folds_layer_norms, transposed_matrices
+from jaxgpt.model.layers import folded_layer_norms, folds_layer_norms, param_names, transposed_matrices
 from jaxgpt.model.read_dtypes import cast_leaf, read_targets
 
 # A finished row (one that produced `stop_token`) yields this from then on.
@@ -203,8 +203,7 @@ def _folded_norms(params: Params, targets: Sequence[Any], transposed: bool) -> t
     (and `transposed`, so that no second copy of it is made after), and the dtype each leaf of
     the result is converted to (None: the leaves the fold made, as they are)."""
     def names(tree: Any) -> list[tuple[tuple[str, ...], Any]]:
-        return [(tuple(str(getattr(key, "key", key)) for key in path), leaf)
-                for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]]
+        return [(param_names(path), leaf) for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
     before = names(params)
     read = {name: target for (name, _), target in zip(before, targets)}

@@ -10,8 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxgpt.config import ModelConfig
-
-HIDDEN_MATRICES = ("qkv", "out", "up", "gate", "down")  # the `layers.dense` projections: fan-in grows with d_model
+from jaxgpt.model.layers import DENSE_NAMES, param_names
 
 
 class Knobs(NamedTuple):
@@ -45,10 +44,10 @@ def init_knobs(params: Any, cfg: ModelConfig, knobs: Knobs | dict[str, Any] | No
     scale, H_D = Knobs.of(cfg, knobs).hidden_init_scale, cfg.n_heads * cfg.head_size
 
     def knob(path: tuple[Any, ...], leaf: jax.Array) -> jax.Array:
-        names = [str(getattr(key, "key", key)) for key in path]
+        names = param_names(path)
         if names[-1] != "kernel" or len(names) < 2:
             return leaf
-        if names[-2] in HIDDEN_MATRICES:
+        if names[-2] in DENSE_NAMES:  # the hidden matrices: their fan-in grows with d_model
             leaf = times(leaf, scale)
             if names[-2] == "qkv" and cfg.zero_init_query:
                 leaf = leaf.at[..., :H_D].set(0.0)

@@ -103,6 +103,11 @@ class Dense(nn.Dense):
 DENSE_NAMES = frozenset({"qkv", "out", "up", "gate", "down"})
 
 
+def param_names(path: tuple[Any, ...]) -> tuple[str, ...]:
+    """A params leaf's path (`jax.tree_util`'s keys) as the names of the modules down to it."""
+    return tuple(str(getattr(key, "key", key)) for key in path)
+
+
 def dense(cfg: ModelConfig, kernels: Kernels, features: int, name: str, output: bool = False) -> nn.Dense:
     """`Dense` (params `kernel` [in, features], `bias`) multiplying with the kernels' dot_general.
     `output`: a projection back into the residual stream, zero at init under `model.zero_init`."""
@@ -124,7 +129,7 @@ def transposed_matrices(params: Any, convert: Callable[[int, Any], Any] | None =
 
     def laid_out(i: int, path: Any, leaf: Any) -> Any:
         leaf = leaf if convert is None else convert(i, leaf)
-        return _swapped(leaf) if is_matrix(tuple(str(getattr(k, "key", k)) for k in path)) else leaf
+        return _swapped(leaf) if is_matrix(param_names(path)) else leaf
 
     def renamed(tree: Any, names: tuple[str, ...]) -> Any:
         if not isinstance(tree, Mapping):
