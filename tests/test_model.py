@@ -29,6 +29,7 @@ from jaxgpt.model.layers import (
     folded_layer_norms,
     folds_layer_norms,
     layer_norm_statistics,
+    param_names,
 )
 
 TINY = ModelConfig(vocab_size=64, context_length=16, d_model=32, n_layers=2, n_heads=4)
@@ -374,7 +375,7 @@ def test_folded_layernorms_abstract_weights_keep_their_shardings_less_the_folded
     specs = {("attention", "qkv"): P(None, "d", None), ("feed_forward", "up"): P(None, None, "d")}
 
     def placed(path, leaf):
-        names = tuple(str(getattr(key, "key", key)) for key in path)
+        names = param_names(path)
         spec = specs.get(names[1:3], P()) if names[-1] == "kernel" else P()
         return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=NamedSharding(mesh, spec))
 
@@ -388,8 +389,8 @@ def test_folded_layernorms_abstract_weights_keep_their_shardings_less_the_folded
         qkv, up = abstract["blocks"]["attention"]["qkv"], abstract["blocks"]["feed_forward"]["up"]
         assert qkv["norm_sum"].sharding.spec == P(None, None) and up["bias"].sharding.spec == P(None, "d")
         if transposed:
-            specs = (qkv["kernel_t"].sharding.spec, up["kernel_t"].sharding.spec)
-            assert specs == (P(None, None, "d"), P(None, "d", None))
+            laid_out = (qkv["kernel_t"].sharding.spec, up["kernel_t"].sharding.spec)
+            assert laid_out == (P(None, None, "d"), P(None, "d", None))
         else:
             assert (qkv["kernel"].sharding.spec, up["kernel"].sharding.spec) == (P(None, "d", None), P(None, None, "d"))
 
