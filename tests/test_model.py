@@ -320,7 +320,9 @@ def test_layernorms_folded_into_their_products_give_the_models_logits(more):
     tokens = jax.random.randint(jax.random.key(1), (2, cfg.context_length), 0, cfg.vocab_size)
     want = forward(params, cfg, tokens)
     folded = folded_layer_norms(params, lambda names: None)
-    np.testing.assert_allclose(forward(folded, cfg, tokens), want, rtol=1e-5, atol=1e-5)
+    # float32's rounding of the fold's sums grows with the logits: 1.2e-5 at a largest logit of 6.0
+    # (jax 0.10.2 on this CPU), so the bound is 5e-6 of it; a dropped gain or shift moves them by O(1).
+    np.testing.assert_allclose(forward(folded, cfg, tokens), want, rtol=1e-5, atol=5e-6 * float(np.abs(want).max()))
     asked = []
     half = folded_layer_norms(params, lambda names: asked.append(names) or jnp.bfloat16)
     block = "blocks" if cfg.scan_layers else "block_1"
