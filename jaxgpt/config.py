@@ -144,6 +144,11 @@ class ModelConfig:
     attention_window: int = entry(0, IDENTITY)
     # L (the whole context) and S (the window) cycled over the blocks, first block first.
     window_pattern: str = entry("S", IDENTITY)
+    # The blocks (by index, first 0) whose heads attend in pairs: head h and head h + H/2 (and
+    # their KV heads k and k + K/2) interleave into one sequence of 2T positions, 2t + 0 and
+    # 2t + 1, so a query reads both heads' keys under one causal softmax, each rotated at its
+    # interleaved position (jaxgpt/model/paired_heads.py). A window counts interleaved positions.
+    paired_head_layers: tuple[int, ...] = entry((), IDENTITY)
     # "sp": every weight at init_std and the optimiser's rates whatever the width; "mup": muP
     # (Tensor Programs V), which agrees with "sp" at d_model = mup_base_width and keeps the best
     # learning rate as the width grows (docs/mup.md).
@@ -259,11 +264,22 @@ class ModelConfig:
             )
         if self.unet_skips and self.n_layers < 2:
             raise ConfigError("model.unet_skips needs n_layers >= 2 (the first half's outputs skip to the second half)")
+        if self.paired_head_layers:
+            self._check_paired_head_layers()
         if self.rope_truncated and (self.position != "rope" or self.head_size % 4):
             raise ConfigError(
                 f"model.rope_truncated needs position = 'rope' and a head size divisible by 4, got "
                 f"position = {self.position!r}, head size {self.head_size}"
             )
+
+    def _check_paired_head_layers(self) -> None:
+        layers = list(self.paired_head_layers)
+        if len(set(layers)) != len(layers) or not all(0 <= i < self.n_layers for i in layers):
+            raise ConfigError(f"model.paired_head_layers = {layers} must name distinct blocks 0 .. "
+                              f"{self.n_layers - 1} (model.n_layers = {self.n_layers})")
+        if self.n_heads % 2 or self.kv_heads % 2:
+            raise ConfigError(f"model.paired_head_layers pairs heads h and h + H/2: it needs an even n_heads and "
+                              f"kv_heads, got {self.n_heads} and {self.kv_heads}")
 
     def width_multiplier(self) -> float:
         """muP's m = d_model / mup_base_width (1 under "sp"): hidden matrices start at init_std /
@@ -569,14 +585,15 @@ def _toml_value(value: Any) -> str:
 
 
 _KIND_NAMES = {"int": "an integer", "float": "a number", "str": "a string", "bool": "true or false",
-               "tuple[str, ...]": "a list of strings", "tuple[float, ...]": "a list of numbers"}
+               "tuple[str, ...]": "a list of strings", "tuple[float, ...]": "a list of numbers",
+               "tuple[int, ...]": "a list of integers"}
 
 
 def _coerce(section: str, name: str, value: Any, spec: dataclasses.Field) -> Any:
     """Check a TOML value against the field's annotation; ints are accepted for floats, and
     true / false for a string key that names their meaning (`metadata["bool"]`). A list key
     takes a TOML array of strings or one comma-separated string (`--set train.trackers=a,b`); a
-    list of numbers, a TOML array of numbers or one number."""
+    list of numbers (or integers), a TOML array of them or one number."""
     wanted = {"int": int, "float": float, "str": str, "bool": bool}
     base = str(spec.type).replace(" | None", "")
     if base == "tuple[str, ...]":
@@ -585,11 +602,12 @@ def _coerce(section: str, name: str, value: Any, spec: dataclasses.Field) -> Any
         if not isinstance(value, (list, tuple)) or not all(isinstance(item, str) for item in value):
             raise ConfigError(f"{section}.{name} = {value!r} must be {_KIND_NAMES[base]}")
         return tuple(value)
-    if base == "tuple[float, ...]":
+    if base in ("tuple[float, ...]", "tuple[int, ...]"):
+        kind, accepted = (float, (int, float)) if base == "tuple[float, ...]" else (int, int)
         numbers = value if isinstance(value, (list, tuple)) else [value]
-        if not all(isinstance(item, (int, float)) and not isinstance(item, bool) for item in numbers):
+        if not all(isinstance(item, accepted) and not isinstance(item, bool) for item in numbers):
             raise ConfigError(f"{section}.{name} = {value!r} must be {_KIND_NAMES[base]}")
-        return tuple(float(item) for item in numbers)
+        return tuple(kind(item) for item in numbers)
     if isinstance(value, bool) and "bool" in spec.metadata:
         return spec.metadata["bool"][value]
     kind = wanted[base]

@@ -16,12 +16,13 @@ def xla_flags(devices: int) -> str:
 # The speedrun block's switches all on at once, and the optimiser settings that go with them: the
 # tests of each mode (sharded, pmap, many hosts, resume, dry-run targets, sweeps, generation) add
 # them to their own tiny config as one more case. Three layers: the middle one takes no skip and no
-# value table. Model sizes are each test's own (a head size divisible by 4, an even n_heads).
+# value table; the first pairs its heads, the others do not (one scanned layer, both attentions).
+# Model sizes are each test's own (a head size divisible by 4, an even n_heads).
 SPEEDRUN = ["model.position=rope", "model.norm=rmsnorm", "model.qk_norm=true", "model.embed_norm=true",
             "model.feed_forward=relu2", "model.logit_softcap=15.0", "model.zero_init=true", "model.x0_mix=true",
             "model.unet_skips=true", "model.value_embeds=1", "model.tie_embeddings=false", "model.kv_heads=2",
             "model.rope_truncated=true", "model.attention_scale=0.12", "model.n_layers=3", "model.mtp_depth=1",
-            "model.bigram_hash_rows=509", "model.exclusive_self_attention=true",
+            "model.bigram_hash_rows=509", "model.exclusive_self_attention=true", "model.paired_head_layers=[0]",
             "train.optimizer=muon", "train.lr_embed=6e-3", "train.lr_head=2e-3", "train.lr_scalar=4e-3",
             "train.future_token_weights=[0.5, 0.25]", "train.prefix_token_weight=0.25"]
 

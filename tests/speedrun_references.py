@@ -21,7 +21,14 @@ the learnable exclusive self-attention of the record of 2026-04-29
 (records/track_1_short/2026-04-29_XSAGatedLayers): per block and head a learned alpha (0 at
 init); each head's attention output y becomes y - tanh(alpha) (y . vn) vn, vn the token's own
 value (after the value table's mix) normalised with F.normalize's eps 1e-4, before c_proj; the
-record runs it in six of its eleven blocks, the rebuild in every one.
+record runs it in six of its eleven blocks, the rebuild in every one. With `paired`, the
+paired-head attention of the record of 2026-01-07 (records/track_1_short/2026-01-07_PairedHeadAttention)
+in those blocks: q, k and v [B, T, H, D] viewed as [B, 2T, H/2, D] (the record's view: each step's
+first H/2 heads at 2t, the other H/2 at 2t + 1, so head h pairs with h + H/2), then the rotary and
+one causal attention over the 2T steps, documents doubled, and the output viewed back. The record's
+code rotates head h at 2t + (h mod 2) where its README says each head at its own interleaved
+step; the rebuild rotates at the step, as jaxgpt does (the two agree where H/2 is odd for pairs
+whose first head is even).
 Its sliding window is plain causal on inputs shorter than the window, the inputs these tests use;
 block 7's missing attention only exists at 12 layers, deeper than these tests go.
 
@@ -75,10 +82,11 @@ def causal_attention(q, k, v, window: int | None = None, docs: torch.Tensor | No
 
 class ModdedGPT(nn.Module):
     def __init__(self, vocab_size: int, n_layers: int, n_heads: int, dim: int, n_value_tables: int,
-                 bigram_rows: int = 0, xsa: bool = False):
+                 bigram_rows: int = 0, xsa: bool = False, paired: tuple[int, ...] = ()):
         super().__init__()
         assert n_layers % 2 == 0 and 2 * n_value_tables <= n_layers
         self.n_heads, self.n_layers, self.n_value_tables = n_heads, n_layers, n_value_tables
+        self.paired = paired
         self.embed = nn.Embedding(vocab_size, dim)
         if bigram_rows:
             self.bigram_embed = nn.Embedding(bigram_rows, dim)
@@ -102,14 +110,23 @@ class ModdedGPT(nn.Module):
         theta = torch.outer(torch.arange(T, dtype=torch.float32), freq)
         return theta.cos()[None, :, None, :], theta.sin()[None, :, None, :]
 
-    def attention(self, i: int, x: torch.Tensor, ve: torch.Tensor | None, rotary, docs=None) -> torch.Tensor:
+    def attention(self, i: int, x: torch.Tensor, ve: torch.Tensor | None, docs=None) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = (proj[i](x).view(B, T, self.n_heads, -1) for proj in (self.c_q, self.c_k, self.c_v))
         lambdas = self.attn_lambdas[i]
         v = lambdas[0] * v + lambdas[1] * ve.view_as(v) if ve is not None else lambdas[0] * v
         q, k = rms_norm(q), rms_norm(k)
-        q, k = rotate(q, *rotary), rotate(k, *rotary)
-        y = causal_attention(q, k, v, docs=docs)
+        if i in self.paired:  # the record's interleave: each step's heads in two halves, one step each
+            H, D = self.n_heads, q.size(-1)
+            q, k = (z.reshape(B, 2 * T, H // 2, D) for z in (q, k))
+            rotary = self.rotary(2 * T, D)
+            q, k = rotate(q, *rotary), rotate(k, *rotary)
+            docs = None if docs is None else docs.repeat_interleave(2, dim=1)
+            y = causal_attention(q, k, v.reshape(B, 2 * T, H // 2, D), docs=docs).reshape(B, T, H, D)
+        else:
+            rotary = self.rotary(T, q.size(-1))
+            q, k = rotate(q, *rotary), rotate(k, *rotary)
+            y = causal_attention(q, k, v, docs=docs)
         if hasattr(self, "xsa_alphas"):
             vn = F.normalize(v, dim=-1, eps=1e-4)
             y = y - torch.tanh(self.xsa_alphas[i]).view(1, 1, -1, 1) * (y * vn).sum(-1, keepdim=True) * vn
@@ -124,28 +141,27 @@ class ModdedGPT(nn.Module):
             hashed[:, 1:] = torch.where(docs[:, 1:] != docs[:, :-1], mod, hashed[:, 1:])
         return hashed
 
-    def block(self, i: int, x, ve, x0, rotary, docs=None, bigram=None):
+    def block(self, i: int, x, ve, x0, docs=None, bigram=None):
         x = self.block_lambdas[i][0] * x + self.block_lambdas[i][1] * x0
         if bigram is not None:
             x = x + self.bigram_lambdas[i] * bigram
-        x = x + self.attention(i, rms_norm(x), ve, rotary, docs)
+        x = x + self.attention(i, rms_norm(x), ve, docs)
         return x + self.mlp_proj[i](F.relu(self.c_fc[i](rms_norm(x))).square())
 
     def forward(self, tokens: torch.Tensor, eot: int | None = None) -> torch.Tensor:
         n, half = self.n_layers, self.n_layers // 2
         docs = None if eot is None else (tokens == eot).cumsum(1)
-        rotary = self.rotary(tokens.size(1), self.c_q[0].in_features // self.n_heads)
         x = x0 = rms_norm(self.embed(tokens))
         tables = [table(tokens) for table in self.value_embeds]
         ve = tables + [None] * (n - 2 * len(tables)) + tables
         bigram = self.bigram_embed(self.bigram_hash(tokens, docs)) if hasattr(self, "bigram_embed") else None
         skips = []
         for i in range(half):
-            x = self.block(i, x, ve[i], x0, rotary, docs, bigram)
+            x = self.block(i, x, ve[i], x0, docs, bigram)
             skips.append(x)
         for i in range(n - half):
             x = x + self.skip_weights[i] * skips.pop()
-            x = self.block(half + i, x, ve[half + i], x0, rotary, docs, bigram)
+            x = self.block(half + i, x, ve[half + i], x0, docs, bigram)
         logits = self.lm_head(rms_norm(x))
         return 15 * torch.tanh(logits / 15)
 

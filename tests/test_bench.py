@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
@@ -31,6 +32,8 @@ def test_flops_per_token_by_hand() -> None:
     # MLP 2*16*64 = 2,048, head 64*16 = 1,024: N = 4,096, 6N = 24,576; 12*L*C*T = 1,536.
     cfg = ModelConfig(vocab_size=64, context_length=8, d_model=16, n_layers=1, n_heads=2, hidden_size=64)
     assert flops_per_token(cfg) == 24_576 + 1_536
+    # Paired heads: 2T queries of H/2 heads over 2T keys, twice the block's attention, no more N.
+    assert flops_per_token(dataclasses.replace(cfg, paired_head_layers=(0,))) == 24_576 + 2 * 1_536
 
 
 def test_measured_peak_is_positive_and_finite() -> None:

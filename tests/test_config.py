@@ -93,7 +93,8 @@ def test_every_key_declares_its_roles_once_and_the_rules_read_them():
                                     "value_embeds_layout": "alternating", "init_scheme": "nanochat",
                                     "schedule": "warmdown", "adam_groups": "nanochat",
                                     "muon_orthogonalizer": "polar_express", "muon_momentum_schedule": "nanochat",
-                                    "muon_decay_schedule": "cosine", "future_token_weights": [0.5]}.get(name, "other"))(value)
+                                    "muon_decay_schedule": "cosine", "future_token_weights": [0.5],
+                                    "paired_head_layers": [0]}.get(name, "other"))(value)
         if value is None:  # a key that follows another (the group peaks follow train.lr)
             other = 1e-3
         if name == "bigram_hash_rows":  # one row would hold no pair

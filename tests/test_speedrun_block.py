@@ -230,6 +230,16 @@ def test_the_new_leaves_fall_in_their_learning_rate_groups():
                                           "the second half)"),
     ({"rope_truncated": True}, "model.rope_truncated needs position = 'rope' and a head size divisible by 4, got "
                                "position = 'learned', head size 32"),
+    ({"paired_head_layers": (0, 2)}, "model.paired_head_layers = [0, 2] must name distinct blocks 0 .. 1 "
+                                     "(model.n_layers = 2)"),
+    ({"paired_head_layers": (1, 1)}, "model.paired_head_layers = [1, 1] must name distinct blocks 0 .. 1 "
+                                     "(model.n_layers = 2)"),
+    ({"paired_head_layers": (-1,)}, "model.paired_head_layers = [-1] must name distinct blocks 0 .. 1 "
+                                    "(model.n_layers = 2)"),
+    ({"paired_head_layers": (0,), "kv_heads": 1}, "model.paired_head_layers pairs heads h and h + H/2: it needs an "
+                                                  "even n_heads and kv_heads, got 4 and 1"),
+    ({"paired_head_layers": (0,), "n_heads": 1}, "model.paired_head_layers pairs heads h and h + H/2: it needs an "
+                                                 "even n_heads and kv_heads, got 1 and 1"),
 ])
 def test_bad_switch_values_are_one_line_naming_the_key(overrides, message):
     with pytest.raises(ConfigError) as raised:
@@ -242,6 +252,7 @@ def test_bad_switch_values_are_one_line_naming_the_key(overrides, message):
     ({"feed_forward": "relu2"}, "feed_forward"), ({"x0_mix": True}, "x0_mix"), ({"unet_skips": True}, "unet_skips"),
     ({"value_embeds": 1}, "value_embeds"), ({"attention_scale": 0.1}, "attention_scale"),
     ({"position": "rope", "norm": "rmsnorm", "rope_truncated": True}, "rope_truncated"),
+    ({"paired_head_layers": (1,)}, "paired_head_layers"),
 ])
 def test_export_refuses_each_switch_transformers_cannot_hold(overrides, option):
     with pytest.raises(UserError, match=rf"^cannot export to Hugging Face: model\.{option} = "):

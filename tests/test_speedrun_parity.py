@@ -101,6 +101,25 @@ def check_equal(cfg: ModelConfig, params: dict, ref: torch.nn.Module, seed: int)
         np.testing.assert_allclose(np.asarray(got), want, atol=1e-4, rtol=0, err_msg=f"scan_layers={scan}")
 
 
+def check_equal_on_documents(cfg: ModelConfig, params: dict, ref: torch.nn.Module, seed: int, eots: list,
+                             scan: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """Rows that hold the end-of-text token (V - 1) only at `eots` (per row, where it opens the
+    next document): jaxgpt's logits (unscanned `params`, scanned with `scan`), with segment ids
+    counted as data.document_mask counts them, equal the reference's. Returns (the rows, the
+    reference's logits)."""
+    eot = V - 1
+    tokens = np.random.default_rng(seed).integers(0, eot, (len(eots), T))
+    for row, places in enumerate(eots):
+        tokens[row, places] = eot
+    with torch.no_grad():
+        want = ref(torch.from_numpy(tokens), eot).numpy()
+    model = dataclasses.replace(cfg, scan_layers=scan)
+    got = forward(stack_blocks(params, model) if scan else params, model, tokens,
+                  segment_ids=document_segments(tokens, eot))
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-4, rtol=0)
+    return tokens, want
+
+
 def test_equals_modded_nanogpt_of_january_2025():
     ref = randomised(ModdedGPT(V, MODDED.n_layers, HEADS, C, MODDED.value_embeds), seed=0)
     check_equal(MODDED, modded_params(ref, MODDED), ref, seed=1)
@@ -111,12 +130,7 @@ def test_equals_modded_nanogpt_with_its_bigram_hash_embedding_on_rows_and_packed
     ref = randomised(ModdedGPT(V, cfg.n_layers, HEADS, C, cfg.value_embeds, cfg.bigram_hash_rows), seed=6)
     params = modded_params(ref, cfg)
     check_equal(cfg, params, ref, seed=7)
-    eot, tokens = V - 1, np.random.default_rng(8).integers(0, V - 1, (2, T))
-    tokens[0, [6, 20]] = tokens[1, 11] = eot
-    with torch.no_grad():
-        want = ref(torch.from_numpy(tokens), eot).numpy()
-    got = forward(params, cfg, tokens, segment_ids=document_segments(tokens, eot))
-    np.testing.assert_allclose(np.asarray(got), want, atol=1e-4, rtol=0)
+    tokens, want = check_equal_on_documents(cfg, params, ref, 8, [[6, 20], [11]])
     unread = {**params, "bigram_embed": np.zeros_like(params["bigram_embed"])}
     assert np.abs(np.asarray(forward(unread, cfg, tokens[:, :8])) - want[:, :8]).max() > 1e-2  # the table counts
 
@@ -131,6 +145,18 @@ def test_equals_modded_nanogpt_with_its_learnable_exclusive_self_attention():
     tokens = np.random.default_rng(12).integers(0, V, (3, T))
     plain = forward(modded_params(ref, MODDED), MODDED, tokens)
     assert np.abs(np.asarray(forward(params, cfg, tokens) - plain)).max() > 1e-2  # the heads lose their own values
+
+
+def test_equals_modded_nanogpt_with_paired_head_attention_on_rows_and_packed_documents():
+    """Blocks 0 and 3 of six pair their heads (the scanned stack picks per block), on whole rows
+    and on rows that pack documents; the pairing changes the logits."""
+    cfg = dataclasses.replace(MODDED, paired_head_layers=(0, 3))
+    ref = randomised(ModdedGPT(V, cfg.n_layers, HEADS, C, cfg.value_embeds, paired=cfg.paired_head_layers), seed=14)
+    params = modded_params(ref, cfg)
+    check_equal(cfg, params, ref, seed=15)
+    tokens, _ = check_equal_on_documents(cfg, params, ref, 16, [[5, 19], [12]], scan=True)
+    plain = forward(params, MODDED, tokens)
+    assert np.abs(np.asarray(forward(params, cfg, tokens) - plain)).max() > 1e-2  # the pairs read each other
 
 
 def test_exclusive_self_attention_leaves_no_part_along_each_heads_own_value():
@@ -161,15 +187,10 @@ def test_equals_modded_nanogpt_on_packed_documents():
     counted as data.document_mask counts them, give modded-nanogpt's document mask. Its rotary
     counts positions from the row's start, jaxgpt's from each document's: a rotary score reads
     only the distance between query and key, the same both ways."""
-    eot = V - 1
     ref = randomised(ModdedGPT(V, MODDED.n_layers, HEADS, C, MODDED.value_embeds), seed=4)
-    tokens = np.random.default_rng(5).integers(0, eot, (3, T))
-    tokens[0, [5, 17]] = tokens[1, 0] = tokens[2, [9, 10, 30]] = eot
+    tokens, want = check_equal_on_documents(MODDED, modded_params(ref, MODDED), ref, 5, [[5, 17], [0], [9, 10, 30]])
     with torch.no_grad():
-        want = ref(torch.from_numpy(tokens), eot).numpy()
         plain = ref(torch.from_numpy(tokens)).numpy()
-    got = np.asarray(forward(modded_params(ref, MODDED), MODDED, tokens, segment_ids=document_segments(tokens, eot)))
-    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
     assert np.abs(plain - want).max() > 1e-2  # the documents matter
 
 

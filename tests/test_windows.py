@@ -212,13 +212,16 @@ def test_blocks_that_write_the_cache_before_reading_it_decode_as_the_forward_pas
     the blocks write after reading it. A ring takes the write first only for blocks no longer
     than its slots beyond the window, plus one (`written_first`, the blocks' lengths): a longer
     one would write over keys its first queries read, so its blocks write after; a long-short
-    model writes each block's keys into its own kind's stack."""
+    model writes each block's keys into its own kind's stack. Some blocks of each case pair their
+    heads, which read their row as twice the positions (`written_first` doubled)."""
     windows = {"whole": [*[o for o in SPEEDRUN if o.startswith("model.")], "model.attention_window=5",
                          "model.window_pattern=SL"],
-               "unscanned": ["model.position=rope", "model.kv_heads=2", "model.scan_layers=false", "model.n_layers=2"],
-               "ring": ["model.position=rope", "model.n_layers=2", "model.attention_window=4"],
+               "unscanned": ["model.position=rope", "model.kv_heads=2", "model.scan_layers=false", "model.n_layers=2",
+                             "model.paired_head_layers=[1]"],
+               "ring": ["model.position=rope", "model.n_layers=2", "model.attention_window=4",
+                        "model.paired_head_layers=[0]"],
                "long-short": ["model.position=rope", "model.n_layers=3", "model.attention_window=4",
-                              "model.window_pattern=SSL"]}
+                              "model.window_pattern=SSL", "model.paired_head_layers=[0, 2]"]}
     cfg, params = model(*windows[case])
     tokens = jax.random.randint(jax.random.key(4), (2, 20), 0, EOT)
     options, segments = {}, None
@@ -244,7 +247,7 @@ def test_blocks_that_write_the_cache_before_reading_it_decode_as_the_forward_pas
                 cache, at = {**cache, "index": cache["index"] - back}, at + T - back
         np.testing.assert_allclose(jnp.concatenate(pieces, axis=1), want, rtol=0, atol=2e-5)
         caches[name] = cache
-    assert set(passes) == written_first
+    assert set(passes) == written_first | {2 * T for T in written_first}
     assert jax.tree_util.tree_structure(caches["first"]) == jax.tree_util.tree_structure(caches["after"])
     jax.tree_util.tree_map_with_path(lambda path, first, after: np.testing.assert_allclose(
         first, after, rtol=0, atol=2e-5, err_msg=jax.tree_util.keystr(path)), caches["first"], caches["after"])

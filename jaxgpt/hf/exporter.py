@@ -55,6 +55,8 @@ def _check_exportable(cfg: ModelConfig) -> str:
         refuse("rope_truncated", "(Hugging Face Llama rotates every pair of a head)")
     if cfg.attention_window:
         refuse("attention_window", "(Hugging Face GPT-2 and Llama attend over the whole context)")
+    if cfg.paired_head_layers:
+        refuse("paired_head_layers", "(Hugging Face GPT-2 and Llama attend with each head alone)")
     if cfg.position == "sinusoidal":
         refuse("position", "(GPT-2 learns its positions, Llama rotates; neither has a fixed sinusoidal table)")
     if cfg.width_multiplier() != 1 and cfg.tie_embeddings:

@@ -59,6 +59,7 @@ from jaxgpt.model.layers import (
     sinusoidal_positions,
 )
 from jaxgpt.model.nanochat_init import nanochat_init
+from jaxgpt.model.paired_heads import interleaved_positions
 from jaxgpt.model.shortcuts import Shared, bigram_rows, first_carry, layer_step, layer_table
 from jaxgpt.model.token_ids import check_segment_ids, check_token_ids
 
@@ -153,9 +154,12 @@ class Decoder(nn.Module):
         token_embedding = nn.Embed(V, C, embedding_init=dense_init(cfg), name="token_embedding")
         embed = Embedding(cfg, token_embedding, knobs.input_multiplier)
         x_BTC = embed(token_ids_BT, positions_BT)
-        rope = None
+        rope = paired_rope = None
         if cfg.position == "rope":
             rope = rope_tables(positions_BT, cfg.head_size, cfg.rope_scale, cfg.rope_base, cfg.rope_truncated)
+            if cfg.paired_head_layers:
+                paired_rope = rope_tables(interleaved_positions(positions_BT), cfg.head_size, cfg.rope_scale,
+                                          cfg.rope_base, cfg.rope_truncated)
         # The token before a cached pass's first, which model.smear and bigram_hash_rows read.
         before_B = None if cache is None or "tokens" not in cache else previous_tokens(cache, cache["index"] - 1)
         if cfg.smear:
@@ -163,7 +167,7 @@ class Decoder(nn.Module):
         x_BTC = nn.Dropout(cfg.dropout)(x_BTC, deterministic=self.deterministic).astype(dtype)
         chex.assert_shape(x_BTC, (B, T, C))
 
-        shared = Shared(x0_BTC=x_BTC if cfg.x0_mix else None, segment_ids=segment_ids)
+        shared = Shared(x0_BTC=x_BTC if cfg.x0_mix else None, segment_ids=segment_ids, paired_rope=paired_rope)
         if cfg.value_embeds:
             # Initialised at the spread of the values they join: unit-RMS inputs times init_std weights.
             # Under muP at the base width's spread: the values' spread does not follow the width.

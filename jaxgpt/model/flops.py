@@ -19,9 +19,12 @@ def matmul_parameters(model: ModelConfig) -> int:
 
 
 def flops_per_token(model: ModelConfig, seq_len: int | None = None) -> float:
-    """Training FLOPs per token (PaLM appendix B / nanoGPT): 6 N + 12 L C T."""
+    """Training FLOPs per token (PaLM appendix B / nanoGPT): 6 N + 12 L C T, a block whose heads
+    attend in pairs (model.paired_head_layers) counted twice in L: its 2T queries of H/2 heads
+    read 2T keys each."""
     T = model.context_length if seq_len is None else seq_len
-    return 6.0 * matmul_parameters(model) + 12.0 * model.n_layers * model.d_model * T
+    attending = model.n_layers + len(model.paired_head_layers)
+    return 6.0 * matmul_parameters(model) + 12.0 * attending * model.d_model * T
 
 
 def mfu(tokens_per_s: float, flops_per_token: float, peak_flops: float) -> float:

@@ -31,6 +31,7 @@ import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxgpt.config import ModelConfig
 from jaxgpt.kernels.base import Kernels
@@ -46,6 +47,7 @@ from jaxgpt.model.cache import (
     written_attention,
 )
 from jaxgpt.model.dtypes import activation_dtype
+from jaxgpt.model.paired_heads import Pairing, block_cache_view, doubled, doubled_place, interleaved
 
 Rope = tuple[jax.Array, jax.Array]  # (cos, sin), each [B, T, D/2] float32
 # What model.value_embeds hands one block: every table's lookup of the tokens [N, B, T, K*D],
@@ -370,7 +372,7 @@ class CausalSelfAttention(nn.Module):
     def __call__(
         self, x_BTC: jax.Array, rope: Rope | None, kv: BlockCache | None = None, place: CachePlace | None = None,
         values: ValueEmbeds | None = None, segment_ids: jax.Array | None = None, window: jax.Array | None = None,
-        norm: tuple[jax.Array, ...] | None = None,
+        norm: tuple[jax.Array, ...] | None = None, pairing: Pairing | None = None,
     ) -> tuple[jax.Array, BlockCache | None]:
         """Cached decoding passes `place`: the T new keys and values are then returned for the
         caller to write (`write_kv`), so no layer copies the cache. With `kv` too (this layer's
@@ -382,7 +384,9 @@ class CausalSelfAttention(nn.Module):
         `segment_ids` [B, T]: each query reads only its own segment's keys (no cache); `window`
         (model.attention_window, this block's: 0 for the whole context) bounds how far back a
         query reads, cached or not. `norm`: x's LayerNorm statistics, where the projection holds
-        the norm folded in (`folded_layer_norms`) and x is the block's raw input."""
+        the norm folded in (`folded_layer_norms`) and x is the block's raw input. `pairing`
+        (model.paired_head_layers): whether this block's heads attend in pairs, and the RoPE
+        tables they then read (`jaxgpt.model.paired_heads`)."""
         cfg = self.cfg
         B, T, _ = x_BTC.shape
         H, K, D = cfg.n_heads, cfg.kv_heads, cfg.head_size
@@ -404,31 +408,52 @@ class CausalSelfAttention(nn.Module):
         # QK-norm is not linear: recomputed, its backward keeps the 16-bit q and k, not its
         # float32 copies (GPT-2 124M at batch 32 on h100-1: 16.6 GB of temporaries, else 11.7).
         prepare = recomputed_as_kernels_ask(cfg, self.kernels, functools.partial(prepare_qk, cfg), when=cfg.qk_norm)
-        q_BTHD, k_BTKD = prepare(q_BTHD, k_BTKD, rope)
 
-        if kv is None:
-            masks = {key: value for key, value in (("segment_ids", segment_ids), ("window", window)) if value is not None}
-            out_BTHD = self.kernels.attention(q_BTHD, k_BTKD, v_BTKD, train=self.train, remat=cfg.remat != "none",
-                                              **masks)
-        elif isinstance(kv, LayerCaches):
-            out_BTHD = layered_attention(q_BTHD, kv, (k_BTKD, v_BTKD), place, window)
-        elif isinstance(kv, CacheStack):
-            one_kernel = self.kernels.written_attention
-            fused = None if one_kernel is None else one_kernel(q_BTHD, kv, (k_BTKD, v_BTKD), place, window)
-            if fused is not None:
-                out_BTHD, kv = fused
-            else:
-                kv = write_layer(kv, (k_BTKD, v_BTKD), place, window)
-                out_BTHD = written_attention(q_BTHD, kv, place, window)
-        else:
-            out_BTHD = cached_attention(q_BTHD, kv, (k_BTKD, v_BTKD), place, window)
+        def attend(paired: bool) -> tuple[jax.Array, jax.Array, BlockCache | None]:
+            """(the heads' outputs [B, T, H, D], the keys as the cache keeps them [B, T, K, D], the
+            cache stack this block wrote or None), the heads in pairs where `paired`."""
+            if not paired:
+                q, k = prepare(q_BTHD, k_BTKD, rope)
+                out, stack = self._attention(q, k, v_BTKD, kv, place, segment_ids, window)
+                return out, k, stack
+            q, k = prepare(interleaved(q_BTHD), interleaved(k_BTKD), pairing.rope)
+            new = (k.reshape(B, T, K, D), v_BTKD)
+            stack = write_layer(kv, new, place, window) if isinstance(kv, CacheStack) else kv
+            out, _ = self._attention(q, k, interleaved(v_BTKD), None if kv is None else block_cache_view(stack),
+                                     None if place is None else doubled_place(place),
+                                     None if segment_ids is None else doubled(segment_ids), window, written=True)
+            return out.reshape(B, T, H, D), new[0], stack if isinstance(kv, CacheStack) else None
+
+        if pairing is None or isinstance(pairing.on, (bool, np.bool_)):
+            out_BTHD, k_BTKD, stack = attend(pairing is not None and bool(pairing.on))
+        else:  # a scanned stack's per-layer choice: both ways compiled into the one layer
+            out_BTHD, k_BTKD, stack = jax.lax.cond(pairing.on, lambda: attend(True), lambda: attend(False))
         if cfg.exclusive_self_attention:
             strength_H = jnp.tanh(self.param("xsa_alpha", nn.initializers.zeros, (H,), jnp.float32))
             out_BTHD = without_own_value(out_BTHD, v_BTKD, strength_H)
-        if not isinstance(kv, CacheStack):
-            kv = None if place is None else (k_BTKD, v_BTKD)
+        kv = stack if isinstance(kv, CacheStack) else None if place is None else (k_BTKD, v_BTKD)
         out = dense(cfg, self.kernels, cfg.d_model, "out", output=True)(out_BTHD.reshape(B, T, H * D))
         return nn.Dropout(cfg.dropout)(out, deterministic=self.deterministic), kv
+
+    def _attention(self, q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, kv: BlockCache | None,
+                   place: CachePlace | None, segment_ids: jax.Array | None, window: jax.Array | None,
+                   written: bool = False) -> tuple[jax.Array, CacheStack | None]:
+        """The heads' outputs, and the cache stack where `kv` is one (`CacheStack`) that this call
+        writes first; `written`: the stack holds the new keys already."""
+        if kv is None:
+            masks = {key: value for key, value in (("segment_ids", segment_ids), ("window", window)) if value is not None}
+            return self.kernels.attention(q_BTHD, k_BTKD, v_BTKD, train=self.train, remat=self.cfg.remat != "none",
+                                          **masks), None
+        if isinstance(kv, LayerCaches):
+            return layered_attention(q_BTHD, kv, (k_BTKD, v_BTKD), place, window), None
+        if isinstance(kv, CacheStack):
+            one_kernel = None if written else self.kernels.written_attention
+            fused = None if one_kernel is None else one_kernel(q_BTHD, kv, (k_BTKD, v_BTKD), place, window)
+            if fused is not None:
+                return fused
+            kv = kv if written else write_layer(kv, (k_BTKD, v_BTKD), place, window)
+            return written_attention(q_BTHD, kv, place, window), kv
+        return cached_attention(q_BTHD, kv, (k_BTKD, v_BTKD), place, window), None
 
 
 def without_own_value(out_BTHD: jax.Array, v_BTKD: jax.Array, strength_H: jax.Array) -> jax.Array:
@@ -503,12 +528,13 @@ class TransformerBlock(nn.Module):
     def __call__(
         self, x_BTC: jax.Array, rope: Rope | None, kv: BlockCache | None = None, place: CachePlace | None = None,
         x0_BTC: jax.Array | None = None, values: ValueEmbeds | None = None, segment_ids: jax.Array | None = None,
-        window: jax.Array | None = None, bigram_BTC: jax.Array | None = None,
+        window: jax.Array | None = None, bigram_BTC: jax.Array | None = None, pairing: Pairing | None = None,
     ) -> tuple[jax.Array, BlockCache | None]:
         """`x0_BTC`: the first block's input, mixed in under model.x0_mix; `values`: the value
         embeddings (model.value_embeds); `segment_ids` and `window`: the attention's masks;
         `bigram_BTC`: the bigram table's lookup, added times this block's lambda
-        (model.bigram_hash_rows)."""
+        (model.bigram_hash_rows); `pairing`: whether its heads attend in pairs
+        (model.paired_head_layers)."""
         cfg, kernels = self.cfg, self.kernels
         B, T, _ = x_BTC.shape
         chex.assert_shape(x_BTC, (B, T, cfg.d_model))
@@ -525,15 +551,16 @@ class TransformerBlock(nn.Module):
         if "norm_sum" in self.variables.get("params", {}).get("attention", {}).get("qkv", {}):
             # The sampler's weights with the norms folded into the products (`folded_layer_norms`).
             attended, kv = attention(x_BTC, rope, kv, place, values, segment_ids, window,
-                                     layer_norm_statistics(x_BTC, cfg.norm_eps))
+                                     layer_norm_statistics(x_BTC, cfg.norm_eps), pairing)
             y_BTC = x_BTC + attended
             y_BTC = y_BTC + feed_forward(y_BTC, layer_norm_statistics(y_BTC, cfg.norm_eps))
         elif cfg.residual == "pre":
-            attended, kv = attention(attention_norm(x_BTC), rope, kv, place, values, segment_ids, window)
+            attended, kv = attention(attention_norm(x_BTC), rope, kv, place, values, segment_ids, window,
+                                     pairing=pairing)
             y_BTC = x_BTC + attended
             y_BTC = y_BTC + feed_forward(feed_forward_norm(y_BTC))
         else:
-            attended, kv = attention(x_BTC, rope, kv, place, values, segment_ids, window)
+            attended, kv = attention(x_BTC, rope, kv, place, values, segment_ids, window, pairing=pairing)
             y_BTC = attention_norm(x_BTC + attended)
             y_BTC = feed_forward_norm(y_BTC + feed_forward(y_BTC))
         y_BTC = y_BTC.astype(x_BTC.dtype)

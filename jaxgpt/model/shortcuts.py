@@ -1,7 +1,8 @@
 """Paths around the blocks: U-net skips (model.unet_skips), value embeddings
 (model.value_embeds), the bigram hash embedding (model.bigram_hash_rows), the backout's mid-stack
-stream (model.backout) and each block's attention window (model.window_pattern), laid out per
-layer so that a stack of unequal layers stays one scan.
+stream (model.backout), each block's attention window (model.window_pattern) and whether it
+pairs its heads (model.paired_head_layers), laid out per layer so that a stack of unequal layers
+stays one scan.
 
 Each layer reads its share of a small per-layer table (`layer_table`, scanned beside the blocks'
 parameters): which skip it takes and with what weight, where it leaves its output for a later
@@ -24,18 +25,21 @@ from jaxgpt.config import ModelConfig
 from jaxgpt.kernels.base import Kernels
 from jaxgpt.model.cache import CacheStack
 from jaxgpt.model.layers import mixed
+from jaxgpt.model.paired_heads import Pairing, paired_plan
 
 
 class Shared(NamedTuple):
     """What every block reads besides the residual stream: the first block's input (model.x0_mix),
     every value table's lookup of the tokens [N, B, T, K*D] (model.value_embeds), the attention's
-    segments [B, T] (`forward(segment_ids=...)`) and the bigram table's lookup [B, T, C]
-    (model.bigram_hash_rows)."""
+    segments [B, T] (`forward(segment_ids=...)`), the bigram table's lookup [B, T, C]
+    (model.bigram_hash_rows) and the RoPE tables of paired heads' interleaved positions
+    (model.paired_head_layers)."""
 
     x0_BTC: jax.Array | None = None
     value_lookups: jax.Array | None = None
     segment_ids: jax.Array | None = None
     bigram_BTC: jax.Array | None = None
+    paired_rope: Any = None
 
 
 # modded-nanogpt's multipliers of the token and the token before it: large odd numbers that spread
@@ -96,6 +100,9 @@ def layer_table(cfg: ModelConfig, skip_weights: jax.Array | None) -> dict[str, j
         table.update(backout_from=jnp.asarray(np.arange(cfg.n_layers) == cfg.n_layers // 2))
     if cfg.attention_window:
         table.update(window=jnp.asarray(window_plan(cfg)))
+    paired = paired_plan(cfg)
+    if paired.any() and not paired.all():  # concrete: an unscanned stack picks each block's attention as it builds
+        table.update(paired=paired)
     return table
 
 
@@ -140,8 +147,10 @@ def layer_step(cfg: ModelConfig, kernels: Kernels) -> Callable[..., Any]:
             kv = kv._replace(row=row["cache_row"])
         if carry.cache is not None:  # every layer's cache, which this block writes and then reads
             kv = carry.cache._replace(layer=row["layer"])
+        # model.paired_head_layers: the table says which blocks pair their heads where some do not.
+        pairing = Pairing(row.get("paired", True), shared.paired_rope) if cfg.paired_head_layers else None
         x_BTC, kv = block(x_BTC, rope, kv, place, shared.x0_BTC, values, shared.segment_ids, row.get("window"),
-                          shared.bigram_BTC)
+                          shared.bigram_BTC, pairing)
         carry = carry._replace(x=x_BTC)
         if carry.cache is not None:
             carry, kv = carry._replace(cache=kv._replace(layer=None)), None
