@@ -418,11 +418,14 @@ class CausalSelfAttention(nn.Module):
                 return out, k, stack
             q, k = prepare(interleaved(q_BTHD), interleaved(k_BTKD), pairing.rope)
             new = (k.reshape(B, T, K, D), v_BTKD)
-            stack = write_layer(kv, new, place, window) if isinstance(kv, CacheStack) else kv
-            out, _ = self._attention(q, k, interleaved(v_BTKD), None if kv is None else block_cache_view(stack),
+            if isinstance(kv, CacheStack):  # written in its own layout, then read as the interleaved sequence
+                stack = write_layer(kv, new, place, window)
+                out = written_attention(q, block_cache_view(stack), doubled_place(place), window)
+                return out.reshape(B, T, H, D), new[0], stack
+            out, _ = self._attention(q, k, interleaved(v_BTKD), None if kv is None else block_cache_view(kv),
                                      None if place is None else doubled_place(place),
-                                     None if segment_ids is None else doubled(segment_ids), window, written=True)
-            return out.reshape(B, T, H, D), new[0], stack if isinstance(kv, CacheStack) else None
+                                     None if segment_ids is None else doubled(segment_ids), window)
+            return out.reshape(B, T, H, D), new[0], None
 
         if pairing is None or isinstance(pairing.on, (bool, np.bool_)):
             out_BTHD, k_BTKD, stack = attend(pairing is not None and bool(pairing.on))
@@ -437,9 +440,9 @@ class CausalSelfAttention(nn.Module):
 
     def _attention(self, q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, kv: BlockCache | None,
                    place: CachePlace | None, segment_ids: jax.Array | None, window: jax.Array | None,
-                   written: bool = False) -> tuple[jax.Array, CacheStack | None]:
+                   ) -> tuple[jax.Array, CacheStack | None]:
         """The heads' outputs, and the cache stack where `kv` is one (`CacheStack`) that this call
-        writes first; `written`: the stack holds the new keys already."""
+        writes first."""
         if kv is None:
             masks = {key: value for key, value in (("segment_ids", segment_ids), ("window", window)) if value is not None}
             return self.kernels.attention(q_BTHD, k_BTKD, v_BTKD, train=self.train, remat=self.cfg.remat != "none",
@@ -447,11 +450,11 @@ class CausalSelfAttention(nn.Module):
         if isinstance(kv, LayerCaches):
             return layered_attention(q_BTHD, kv, (k_BTKD, v_BTKD), place, window), None
         if isinstance(kv, CacheStack):
-            one_kernel = None if written else self.kernels.written_attention
+            one_kernel = self.kernels.written_attention
             fused = None if one_kernel is None else one_kernel(q_BTHD, kv, (k_BTKD, v_BTKD), place, window)
             if fused is not None:
                 return fused
-            kv = kv if written else write_layer(kv, (k_BTKD, v_BTKD), place, window)
+            kv = write_layer(kv, (k_BTKD, v_BTKD), place, window)
             return written_attention(q_BTHD, kv, place, window), kv
         return cached_attention(q_BTHD, kv, (k_BTKD, v_BTKD), place, window), None
 
